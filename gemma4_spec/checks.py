@@ -1,0 +1,59 @@
+"""The checks a gemma4_mtp request gets before any engine starts (called from the patch of
+``EngineArgs.create_speculative_config``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from gemma4_spec.compat import check_vllm_version
+from gemma4_spec.validation import (
+    AssistantMismatchError,
+    read_token_ordering,
+    validate_pair,
+    validate_token_ordering,
+)
+
+
+def check_gemma4_mtp_request(spec_config: Any) -> None:
+    """Raise a clear error if this vLLM, the target or the assistant cannot run gemma4_mtp."""
+    check_vllm_version()
+    draft = spec_config.draft_model_config
+    target = spec_config.target_model_config
+    if draft is None or target is None:
+        raise AssistantMismatchError(
+            "method 'gemma4_mtp' needs an assistant checkpoint: pass "
+            '--speculative-config \'{"method": "gemma4_mtp", "model": ASSISTANT, '
+            '"num_speculative_tokens": K}\'.'
+        )
+    assistant_config = draft.hf_config
+    validate_pair(target.hf_config, assistant_config)
+    if getattr(assistant_config, "use_ordered_embeddings", False):
+        checkpoint = _local_checkpoint_dir(draft.model, getattr(draft, "revision", None))
+        ordering = read_token_ordering(checkpoint)
+        if ordering is None:
+            raise AssistantMismatchError(
+                f"The assistant at {draft.model} uses centroid masking "
+                "(use_ordered_embeddings: true) but its checkpoint has no "
+                "masked_embedding.token_ordering tensor. Use the complete assistant checkpoint."
+            )
+        validate_token_ordering(
+            ordering,
+            assistant_config.get_text_config().vocab_size,
+            assistant_config.num_centroids,
+        )
+
+
+def _local_checkpoint_dir(model: str, revision: str | None) -> Path:
+    """The folder holding the assistant's safetensors (a local path, or the hub cache)."""
+    if os.path.isdir(model):
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    # vLLM downloads the same files to the same cache to load the weights.
+    return Path(
+        snapshot_download(
+            model, revision=revision, allow_patterns=["*.safetensors", "*.safetensors.index.json"]
+        )
+    )

@@ -1,0 +1,41 @@
+"""Check a gemma4_mtp request before vLLM starts any engine process.
+
+Wraps: ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``, which builds the draft's
+config in the front-end process. When the request is for Gemma 4 MTP, the wrapper checks the
+vLLM version and the target/assistant pair (sizes, KV shapes, vocab, centroids,
+``token_ordering``) and raises one clear error instead of a failure deep inside a worker.
+vLLM versions: any (the version check itself must run on unsupported versions).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+ARG_UTILS_MODULE = "vllm.engine.arg_utils"
+GEMMA4_MODEL_TYPES = ("gemma4_assistant", "gemma4_mtp")
+
+
+def apply(arg_utils: ModuleType) -> None:
+    engine_args = arg_utils.EngineArgs
+    original = engine_args.create_speculative_config
+    if getattr(original, "_gemma4_spec_checked", False):
+        return
+
+    @functools.wraps(original)
+    def create_speculative_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        requested = (self.speculative_config or {}).get("method") == "gemma4_mtp"
+        spec_config = original(self, *args, **kwargs)
+        if spec_config is None:
+            return None
+        draft = spec_config.draft_model_config
+        draft_type = getattr(getattr(draft, "hf_config", None), "model_type", None)
+        if requested or draft_type in GEMMA4_MODEL_TYPES:
+            from gemma4_spec.checks import check_gemma4_mtp_request
+
+            check_gemma4_mtp_request(spec_config)
+        return spec_config
+
+    create_speculative_config._gemma4_spec_checked = True  # type: ignore[attr-defined]
+    engine_args.create_speculative_config = create_speculative_config

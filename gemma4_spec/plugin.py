@@ -1,0 +1,45 @@
+"""vLLM plugin entry point (group ``vllm.general_plugins``).
+
+vLLM calls ``register()`` in every process it starts. It is cheap and idempotent: it registers
+our model class by name (imported lazily by vLLM) and defers each patch until vLLM imports the
+module it patches. With ``VLLM_PLUGINS`` excluding ``gemma4_spec`` nothing here runs and vLLM's
+in-tree gemma4_mtp is used, so the two can be compared side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gemma4_spec.compat import SUPPORTED_VLLM, installed_vllm_version, vllm_is_supported
+from gemma4_spec.patch import patch_engine_args, patch_gpu_model_runner
+from gemma4_spec.patch.hooks import when_imported
+
+logger = logging.getLogger(__name__)
+
+# vLLM's architecture name for gemma4_assistant checkpoints (set by its SpeculativeConfig).
+ASSISTANT_ARCHITECTURE = "Gemma4MTPModel"
+MODEL_CLASS = "gemma4_spec.models.gemma4_mtp:Gemma4AssistantForDrafting"
+
+_registered = False
+
+
+def register() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+
+    # Always installed: on an unsupported vLLM it is what tells a gemma4_mtp user so.
+    when_imported(patch_engine_args.ARG_UTILS_MODULE, patch_engine_args.apply)
+    if not vllm_is_supported():
+        logger.warning(
+            "gemma4-spec supports vLLM %s, found %s: leaving vLLM's in-tree gemma4_mtp in place.",
+            SUPPORTED_VLLM,
+            installed_vllm_version(),
+        )
+        return
+
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model(ASSISTANT_ARCHITECTURE, MODEL_CLASS)
+    when_imported(patch_gpu_model_runner.RUNNER_MODULE, patch_gpu_model_runner.apply)

@@ -1,0 +1,148 @@
+"""``Gemma4Proposer``: drafts with a Gemma 4 assistant inside vLLM's V1 model runner.
+
+What differs from vLLM's generic draft-model flow (``SpecDecodeBaseProposer``):
+
+* The assistant reads the target's K/V and writes none, so every draft step of a request uses
+  the same position (``constant_draft_positions``) and the same attention metadata.
+* Gemma 4 keeps sliding-window and full-attention layers in different KV cache groups (with
+  different head sizes and block tables). Each draft layer belongs to the group of the target
+  layer it reads, so metadata is built per group, each with its own block table.
+* The draft's input embedding is the target's (backbone width); the checkpoint's draft-width
+  embedding is used only as the draft's own lm_head. Whatever the base class decides about
+  sharing, we attach the target's embedding ourselves (vLLM 0.26's base class keeps the draft's
+  embedding when the widths differ: vllm#47794).
+* Greedy drafting goes through the model's ``get_top_tokens`` (centroid-masked argmax without a
+  full-vocabulary tensor when the assistant uses centroids).
+"""
+
+from __future__ import annotations
+
+from copy import copy
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_layers_from_vllm_config, replace
+from vllm.distributed.parallel_state import get_pp_group
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, UniformTypeKVCacheSpecs
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+from vllm.v1.worker.utils import AttentionGroup
+
+logger = init_logger(__name__)
+
+
+class Gemma4Proposer(SpecDecodeBaseProposer):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None) -> None:
+        super().__init__(vllm_config, device, pass_hidden_states_to_model=True, runner=runner)
+        self.constant_draft_positions = True
+        # KV cache group id -> that group's block table for the current step (set by the runner).
+        self._block_tables: dict[int, torch.Tensor] = {}
+
+    # The runner hands over each KV cache group's block table before proposing.
+    def set_per_group_block_table(self, gid: int, block_table: torch.Tensor) -> None:
+        self._block_tables[gid] = block_table
+
+    def model_returns_tuple(self) -> bool:
+        return True  # (draft-width hidden for logits, backbone-width hidden for the next step)
+
+    def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.get_top_tokens(hidden_states)
+
+    def build_per_group_and_layer_attn_metadata(
+        self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0
+    ) -> tuple[list[object], dict[str, object]]:
+        batch_size = common_attn_metadata.batch_size()
+        per_group: list[object] = []
+        per_layer: dict[str, object] = {}
+        for group in self.draft_attn_groups:
+            metadata = common_attn_metadata
+            table = self._block_tables.get(group.kv_cache_group_id)
+            if table is not None:
+                metadata = copy(common_attn_metadata)
+                # The runner's tables may be padded past the drafted batch.
+                metadata.block_table_tensor = table[:batch_size]
+            built = group.build_metadata_for_drafting(
+                common_attn_metadata=metadata, draft_index=draft_index
+            )
+            per_group.append(built)
+            per_layer.update(dict.fromkeys(group.layer_names, built))
+        return per_group, per_layer
+
+    def _create_draft_vllm_config(self) -> VllmConfig:
+        # The base class lets the draft pick its own attention backend. Ours reads caches that
+        # the target's backend laid out, so it must use the same one.
+        draft = super()._create_draft_vllm_config()
+        return replace(
+            draft,
+            attention_config=replace(
+                draft.attention_config, backend=self.vllm_config.attention_config.backend
+            ),
+        )
+
+    def _maybe_share_embeddings(self, target_language_model: nn.Module) -> None:
+        if get_pp_group().world_size != 1:
+            raise NotImplementedError(
+                "gemma4_mtp drafting with pipeline parallelism is not supported: the assistant "
+                "needs the target's input embedding on the last stage. Use tensor parallelism."
+            )
+        embed = getattr(getattr(target_language_model, "model", None), "embed_tokens", None)
+        if embed is None:
+            raise AttributeError(
+                f"{type(target_language_model).__name__} has no model.embed_tokens: the target "
+                "is not a Gemma 4 language model as vLLM builds it."
+            )
+        self.model.model.embed_tokens = embed
+        logger.info("gemma4_spec: the assistant embeds its input with the target's embedding.")
+
+    def _maybe_share_lm_head(self, target_language_model: nn.Module) -> None:
+        """The assistant keeps its own draft-width lm_head (the target's is backbone-width)."""
+
+    def validate_same_kv_cache_group(self, kv_cache_config: KVCacheConfig) -> None:
+        """Draft layers span the sliding and full-attention groups by design."""
+
+    def initialize_attn_backend(
+        self, kv_cache_config: KVCacheConfig, kernel_block_sizes: list[int] | None = None
+    ) -> None:
+        """One attention group per (backend, KV spec) among the draft layers, each tied to the
+        KV cache group of the target layers whose cache it reads."""
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        group_of: dict[str, int] = {}
+        spec_of: dict[str, KVCacheSpec] = {}
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+            for name in group.layer_names:
+                group_of[name] = gid
+                spec = group.kv_cache_spec
+                if isinstance(spec, UniformTypeKVCacheSpecs):
+                    source = layers[name].kv_sharing_target_layer_name or name
+                    spec = spec.kv_cache_specs[source]
+                spec_of[name] = spec
+
+        groups: dict[tuple[str, KVCacheSpec], AttentionGroup] = {}
+        for name in sorted(self._draft_attn_layer_names):
+            backend = layers[name].get_attn_backend()
+            key = (backend.full_cls_name(), spec_of[name])
+            if key in groups:
+                groups[key].layer_names.append(name)
+                continue
+            gid = group_of[name]
+            group = AttentionGroup(
+                backend=backend,
+                layer_names=[name],
+                kv_cache_spec=spec_of[name],
+                kv_cache_group_id=gid,
+            )
+            group.create_metadata_builders(
+                self.vllm_config,
+                self.device,
+                kernel_block_size=None if kernel_block_sizes is None else kernel_block_sizes[gid],
+            )
+            groups[key] = group
+
+        self.draft_attn_groups = list(groups.values())
+        first = self.draft_attn_groups[0]
+        # The runner passes this group's common metadata to propose(); the others get their
+        # own block tables in build_per_group_and_layer_attn_metadata.
+        self.kv_cache_gid = first.kv_cache_group_id
+        self.block_size = first.kv_cache_spec.block_size

@@ -1,0 +1,141 @@
+"""Run ``vllm.LLM`` generation with or without Gemma 4 MTP and collect tokens and counters.
+
+``generate`` runs in the calling process (the demo uses it). ``generate_in_subprocess`` runs
+one configuration in a fresh Python process, so tests can choose ``VLLM_PLUGINS`` per run (our
+plugin vs vLLM's in-tree gemma4_mtp) and every engine starts from a clean slate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SPEC_PREFIX = "vllm:spec_decode_"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    target: str
+    prompts: list[list[int]]
+    assistant: str | None = None
+    num_speculative_tokens: int = 3
+    max_tokens: int = 32
+    temperature: float = 0.0
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    seed: int = 0
+    max_model_len: int = 512
+
+
+@dataclass
+class RunResult:
+    token_ids: list[list[int]]
+    # vllm:spec_decode_* counters (per-position acceptance as a list); empty without a draft.
+    spec_metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = self.spec_metrics.get(SPEC_PREFIX + "num_draft_tokens", 0)
+        accepted = self.spec_metrics.get(SPEC_PREFIX + "num_accepted_tokens", 0)
+        return accepted / drafted if drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens produced per target step: 1 + accepted drafts per drafting step."""
+        drafts = self.spec_metrics.get(SPEC_PREFIX + "num_drafts", 0)
+        accepted = self.spec_metrics.get(SPEC_PREFIX + "num_accepted_tokens", 0)
+        return 1.0 + accepted / drafts if drafts else 1.0
+
+
+def engine_kwargs(config: RunConfig) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for a run (CPU-friendly memory settings)."""
+    kwargs: dict[str, Any] = dict(
+        model=config.target,
+        skip_tokenizer_init=True,
+        dtype=config.dtype,
+        max_model_len=config.max_model_len,
+        enforce_eager=config.enforce_eager,
+        seed=config.seed,
+        gpu_memory_utilization=0.3,
+        disable_log_stats=False,
+    )
+    if config.assistant is not None:
+        kwargs["speculative_config"] = {
+            "method": "gemma4_mtp",
+            "model": config.assistant,
+            "num_speculative_tokens": config.num_speculative_tokens,
+        }
+    return kwargs
+
+
+def generate(config: RunConfig) -> RunResult:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(config))
+    params = SamplingParams(
+        max_tokens=config.max_tokens,
+        temperature=config.temperature,
+        seed=config.seed,
+        ignore_eos=True,
+    )
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in config.prompts], params, use_tqdm=False
+    )
+    result = RunResult(token_ids=[list(o.outputs[0].token_ids) for o in outputs])
+    result.spec_metrics = _spec_metrics(llm.get_metrics())
+    del llm
+    return result
+
+
+def _spec_metrics(metrics: list[Any]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for metric in metrics:
+        if not metric.name.startswith(SPEC_PREFIX):
+            continue
+        found[metric.name] = list(metric.values) if hasattr(metric, "values") else metric.value
+    return found
+
+
+def generate_in_subprocess(
+    config: RunConfig, *, plugins: str | None = None, timeout: float = 600
+) -> RunResult:
+    """Run ``generate(config)`` in a new interpreter; ``plugins`` sets ``VLLM_PLUGINS``
+    (``None`` leaves it unset: every installed plugin loads)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.pop("VLLM_PLUGINS", None)
+    if plugins is not None:
+        env["VLLM_PLUGINS"] = plugins
+    with tempfile.TemporaryDirectory() as tmp:
+        request, response = Path(tmp) / "config.json", Path(tmp) / "result.json"
+        request.write_text(json.dumps(asdict(config)))
+        proc = subprocess.run(
+            [sys.executable, "-m", __name__, str(request), str(response)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"engine run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                f"{proc.stderr[-8000:]}"
+            )
+        data = json.loads(response.read_text())
+    return RunResult(**data)
+
+
+def _main(request: str, response: str) -> None:
+    result = generate(RunConfig(**json.loads(Path(request).read_text())))
+    Path(response).write_text(json.dumps(asdict(result)))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])
