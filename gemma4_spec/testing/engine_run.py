@@ -1,8 +1,10 @@
 """Run ``vllm.LLM`` generation with or without Gemma 4 MTP and collect tokens and counters.
 
 ``generate`` runs in the calling process (the demo uses it). ``generate_in_subprocess`` runs
-one configuration in a fresh Python process, so tests can choose ``VLLM_PLUGINS`` per run (our
-plugin vs vLLM's in-tree gemma4_mtp) and every engine starts from a clean slate.
+a list of configurations in one fresh Python process, so tests can choose ``VLLM_PLUGINS`` per
+process (our plugin vs vLLM's in-tree gemma4_mtp). There the engine core and its worker run in
+that process too (vLLM's single-process mode), which makes each further engine start in seconds
+instead of the ~30 s a new worker process costs on a small CPU machine.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class RunResult:
     token_ids: list[list[int]]
     # vllm:spec_decode_* counters (per-position acceptance as a list); empty without a draft.
     spec_metrics: dict[str, Any] = field(default_factory=dict)
+    # The class vLLM's runner module instantiates for gemma4_mtp in this process (ours when the
+    # plugin is active, vLLM's own otherwise); None if the runner ran in another process.
+    proposer_class: str | None = None
 
     @property
     def acceptance_rate(self) -> float:
@@ -53,7 +58,7 @@ class RunResult:
         return 1.0 + accepted / drafts if drafts else 1.0
 
 
-def engine_kwargs(config: RunConfig) -> dict[str, Any]:
+def engine_kwargs(config: RunConfig, *, single_process: bool = False) -> dict[str, Any]:
     """Keyword arguments of ``vllm.LLM`` for a run (CPU-friendly memory settings)."""
     kwargs: dict[str, Any] = dict(
         model=config.target,
@@ -65,6 +70,8 @@ def engine_kwargs(config: RunConfig) -> dict[str, Any]:
         gpu_memory_utilization=0.3,
         disable_log_stats=False,
     )
+    if single_process:
+        kwargs["distributed_executor_backend"] = "uni"
     if config.assistant is not None:
         kwargs["speculative_config"] = {
             "method": "gemma4_mtp",
@@ -74,11 +81,15 @@ def engine_kwargs(config: RunConfig) -> dict[str, Any]:
     return kwargs
 
 
-def generate(config: RunConfig) -> RunResult:
+def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
+    """Generate in this process. ``single_process`` runs vLLM's engine core and worker here too
+    (it must be chosen before vLLM is first imported in this process)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if single_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(config))
+    llm = LLM(**engine_kwargs(config, single_process=single_process))
     params = SamplingParams(
         max_tokens=config.max_tokens,
         temperature=config.temperature,
@@ -90,6 +101,10 @@ def generate(config: RunConfig) -> RunResult:
     )
     result = RunResult(token_ids=[list(o.outputs[0].token_ids) for o in outputs])
     result.spec_metrics = _spec_metrics(llm.get_metrics())
+    runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
+    if runner is not None:
+        cls = runner.Gemma4Proposer
+        result.proposer_class = f"{cls.__module__}.{cls.__qualname__}"
     del llm
     return result
 
@@ -104,10 +119,10 @@ def _spec_metrics(metrics: list[Any]) -> dict[str, Any]:
 
 
 def generate_in_subprocess(
-    config: RunConfig, *, plugins: str | None = None, timeout: float = 600
-) -> RunResult:
-    """Run ``generate(config)`` in a new interpreter; ``plugins`` sets ``VLLM_PLUGINS``
-    (``None`` leaves it unset: every installed plugin loads)."""
+    configs: list[RunConfig], *, plugins: str | None = None, timeout: float = 1200
+) -> list[RunResult]:
+    """Run ``generate`` for each config, in order, in a new interpreter; ``plugins`` sets
+    ``VLLM_PLUGINS`` (``None`` leaves it unset: every installed plugin loads)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.pop("VLLM_PLUGINS", None)
@@ -115,7 +130,7 @@ def generate_in_subprocess(
         env["VLLM_PLUGINS"] = plugins
     with tempfile.TemporaryDirectory() as tmp:
         request, response = Path(tmp) / "config.json", Path(tmp) / "result.json"
-        request.write_text(json.dumps(asdict(config)))
+        request.write_text(json.dumps([asdict(c) for c in configs]))
         proc = subprocess.run(
             [sys.executable, "-m", __name__, str(request), str(response)],
             env=env,
@@ -129,12 +144,13 @@ def generate_in_subprocess(
                 f"{proc.stderr[-8000:]}"
             )
         data = json.loads(response.read_text())
-    return RunResult(**data)
+    return [RunResult(**d) for d in data]
 
 
 def _main(request: str, response: str) -> None:
-    result = generate(RunConfig(**json.loads(Path(request).read_text())))
-    Path(response).write_text(json.dumps(asdict(result)))
+    configs = [RunConfig(**c) for c in json.loads(Path(request).read_text())]
+    results = [generate(c, single_process=True) for c in configs]
+    Path(response).write_text(json.dumps([asdict(r) for r in results]))
 
 
 if __name__ == "__main__":

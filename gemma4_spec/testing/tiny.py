@@ -1,0 +1,424 @@
+"""Random tiny Gemma 4 target + assistant checkpoints (Hugging Face format) for tests and demos.
+
+Real Gemma 4 checkpoints are gigabytes; these are a few megabytes, load in well under a second and
+use transformers' own config and model classes, so they exercise the same loading paths (vLLM's
+and transformers') as real ones. They carry no tokenizer: run vLLM with
+``skip_tokenizer_init=True`` and ``prompt_token_ids``.
+
+Everything is deterministic from ``seed``: we fill every tensor ourselves from a private
+``torch.Generator`` (the caller's global RNG is left untouched), so equal seeds give byte-identical
+safetensors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+from safetensors import safe_open
+from transformers import (
+    Gemma4AssistantConfig,
+    Gemma4AssistantForCausalLM,
+    Gemma4ForCausalLM,
+    Gemma4TextConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+)
+
+__all__ = [
+    "AssistantStyle",
+    "FULL",
+    "HFDraftStep",
+    "INIT_STD",
+    "SLIDING",
+    "build_tiny_assistant",
+    "build_tiny_pair",
+    "build_tiny_target",
+    "default_layer_types",
+    "hf_draft_step",
+]
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+AssistantStyle = Literal["random", "copy"]
+_Model = TypeVar("_Model", bound=PreTrainedModel)
+
+VOCAB_SIZE = 2048
+TARGET_HIDDEN = 128
+TARGET_INTERMEDIATE = 256
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+HEAD_DIM = 32
+GLOBAL_HEAD_DIM = 64
+SLIDING_WINDOW = 16
+
+ASSISTANT_HIDDEN = 64
+ASSISTANT_INTERMEDIATE = 128
+ASSISTANT_LAYER_TYPES = (SLIDING, FULL)
+NUM_CENTROIDS = 64
+CENTROID_TOP_K = 8
+
+# Init std of every random matrix. transformers' default (0.02) already gives varied greedy
+# output, but a random target then repeats a token in only ~2-6% of greedy steps; from 0.05 up,
+# greedy runs collapse into one token repeated. 0.03 (measured over seeds, 4- and 6-layer targets,
+# 64 greedy tokens) repeats in ~6-17% of steps and never collapses, so the "copy" assistant gets a
+# mix of accepted and rejected drafts. (Larger std lets the sqrt(H)-scaled token embedding compete
+# with the unit-RMS post-normed sub-layer outputs, which pulls the prediction towards the input.)
+INIT_STD = 0.03
+
+# "copy" assistant: RMS of its embedding rows (= tied lm_head), the RMS of the target-hidden half of
+# pre_projection's output relative to the token half, and the gain of its post-attention /
+# post-feedforward norms. The last two are small but non-zero so that attention over the shared
+# KV, the MLPs and the hidden-state input all still affect the output a little (a test comparing
+# an implementation against transformers sees every path) without breaking the copy behaviour.
+_COPY_EMBED_RMS = 0.1
+_COPY_HIDDEN_MIX = 0.2
+_COPY_LAYER_GAIN = 0.1
+
+_TARGET_SALT = 0x7A5
+_ASSISTANT_SALT = 0xA55
+
+
+def default_layer_types(num_hidden_layers: int) -> list[str]:
+    """Gemma-like pattern: every 4th layer and the last one are full attention, the rest sliding."""
+    return [
+        FULL if (i + 1) % 4 == 0 or i == num_hidden_layers - 1 else SLIDING
+        for i in range(num_hidden_layers)
+    ]
+
+
+def _generator(seed: int, salt: int) -> torch.Generator:
+    """A private RNG per (seed, model kind), so target and assistant draw different streams."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + salt)
+
+
+def _is_norm_weight(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def _fill_random(model: torch.nn.Module, gen: torch.Generator, std: float) -> None:
+    """Overwrite every parameter: norms scale 1, matrices N(0, std), in a fixed name order."""
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if _is_norm_weight(name):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) * std)
+        for name, buf in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buf.fill_(1.0)
+
+
+def _construct(cls: type[_Model], config: PreTrainedConfig) -> _Model:
+    """Build a model in float32 without consuming the caller's global RNG (we re-fill it anyway)."""
+    with torch.random.fork_rng(devices=[]):
+        model = cls(config)
+    model.to(torch.float32)
+    model.eval()
+    return model
+
+
+def _save(model: PreTrainedModel, path: Path, dtype: torch.dtype) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    model.to(dtype)  # casts floating tensors only; token_ordering stays int64
+    model.save_pretrained(path)
+    return path
+
+
+def _read_tensor(path: Path, key: str) -> torch.Tensor:
+    """Read one tensor of a (possibly sharded) safetensors checkpoint as float32."""
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            if key in handle.keys():
+                return handle.get_tensor(key).to(torch.float32)
+    raise KeyError(f"{key} not found in {path}")
+
+
+def _target_config(
+    num_hidden_layers: int, layer_types: Sequence[str] | None, num_kv_shared_layers: int
+) -> Gemma4TextConfig:
+    types = list(layer_types) if layer_types is not None else default_layer_types(num_hidden_layers)
+    if len(types) != num_hidden_layers:
+        raise ValueError(f"{len(types)} layer_types for {num_hidden_layers} layers")
+    if types[-1] != FULL:
+        raise ValueError("the last Gemma 4 layer must be full attention")
+    if not 0 <= num_kv_shared_layers < num_hidden_layers:
+        raise ValueError(f"num_kv_shared_layers must be in [0, {num_hidden_layers})")
+    owners = set(types[: num_hidden_layers - num_kv_shared_layers])
+    if {SLIDING, FULL} - owners:
+        # KV-shared layers and the assistant read the last non-shared layer of each type.
+        raise ValueError("the non-KV-shared layers must include a sliding and a full layer")
+    return Gemma4TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=TARGET_HIDDEN,
+        intermediate_size=TARGET_INTERMEDIATE,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        global_head_dim=GLOBAL_HEAD_DIM,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=types,
+        num_kv_shared_layers=num_kv_shared_layers,
+        initializer_range=INIT_STD,
+    )
+
+
+def build_tiny_target(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    num_hidden_layers: int = 4,
+    layer_types: Sequence[str] | None = None,
+    num_kv_shared_layers: int = 0,
+) -> Path:
+    """Write a random tiny ``gemma4_text`` target (Gemma4ForCausalLM) to ``path``.
+
+    Default: 4 layers [sliding x3, full], hidden 128, vocab 2048, sliding window 16, head_dim 32
+    (sliding) / 64 (full). ``num_kv_shared_layers`` > 0 makes the last layers reuse the KV of the
+    last earlier layer of their type, as in real Gemma 4 E2B/E4B targets (e.g. 6 layers, 2 shared).
+    """
+    config = _target_config(num_hidden_layers, layer_types, num_kv_shared_layers)
+    model = _construct(Gemma4ForCausalLM, config)
+    _fill_random(model, _generator(seed, _TARGET_SALT), INIT_STD)
+    return _save(model, Path(path), dtype)
+
+
+def _assistant_config(target: Gemma4TextConfig, centroids: bool) -> Gemma4AssistantConfig:
+    """Same vocab and attention geometry as the target, so the assistant can read its KV."""
+    # head_dim is per layer type here; transformers refuses the ambiguous global read.
+    sliding, full = target.per_layer_config[SLIDING], target.per_layer_config[FULL]
+    text_config = Gemma4TextConfig(
+        vocab_size=target.vocab_size,
+        hidden_size=ASSISTANT_HIDDEN,
+        intermediate_size=ASSISTANT_INTERMEDIATE,
+        num_hidden_layers=len(ASSISTANT_LAYER_TYPES),
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=sliding.num_key_value_heads,
+        head_dim=sliding.head_dim,
+        global_head_dim=full.head_dim,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        sliding_window=target.sliding_window,
+        layer_types=list(ASSISTANT_LAYER_TYPES),
+        num_kv_shared_layers=len(ASSISTANT_LAYER_TYPES),
+        rope_parameters=target.rope_parameters,
+        rms_norm_eps=target.rms_norm_eps,
+        max_position_embeddings=target.max_position_embeddings,
+        initializer_range=INIT_STD,
+    )
+    if centroids and target.vocab_size % NUM_CENTROIDS:
+        raise ValueError(f"vocab {target.vocab_size} not divisible by {NUM_CENTROIDS} centroids")
+    return Gemma4AssistantConfig(
+        text_config=text_config,
+        backbone_hidden_size=target.hidden_size,
+        use_ordered_embeddings=centroids,
+        num_centroids=NUM_CENTROIDS,
+        centroid_intermediate_top_k=CENTROID_TOP_K,
+    )
+
+
+def _balanced_clusters(
+    embed: torch.Tensor, num_clusters: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split the vocab into equal-size clusters of similar embedding rows.
+
+    Random clusters would make the centroid top-k miss a token's own cluster too often (a cluster
+    mean of 32 random rows barely points at any one of them), so the copy assistant clusters by
+    geometry: greedy balanced assignment to random directions, refined twice on the cluster means.
+    Returns (token_ordering [vocab], unit centroids [num_clusters, dim]).
+    """
+    vocab, dim = embed.shape
+    size = vocab // num_clusters
+    rows = torch.nn.functional.normalize(embed, dim=-1)
+    centres = torch.nn.functional.normalize(torch.randn(num_clusters, dim, generator=gen), dim=-1)
+    members: list[list[int]] = []
+    for _ in range(3):
+        order = torch.argsort((rows @ centres.T).flatten(), descending=True, stable=True).tolist()
+        members = [[] for _ in range(num_clusters)]
+        assigned = [False] * vocab
+        left = vocab
+        for flat in order:
+            token, cluster = divmod(flat, num_clusters)
+            if assigned[token] or len(members[cluster]) == size:
+                continue
+            assigned[token] = True
+            members[cluster].append(token)
+            left -= 1
+            if left == 0:
+                break
+        centres = torch.nn.functional.normalize(
+            torch.stack([rows[m].mean(0) for m in members]), dim=-1
+        )
+    ordering = torch.cat(
+        [torch.tensor(m)[torch.randperm(size, generator=gen)] for m in members]
+    ).long()
+    return ordering, centres
+
+
+def _make_copy(
+    model: Gemma4AssistantForCausalLM,
+    target_embed: torch.Tensor,
+    gen: torch.Generator,
+    centroids: bool,
+) -> None:
+    """Set weights so the assistant drafts its input token: draft(t, h) == t for most t.
+
+    With E_t the target embedding and P a random projection, the assistant embedding (= tied
+    lm_head) is E_a = E_t P and pre_projection maps the token half sqrt(H_t) E_t[t] to E_a[t] / rms,
+    so after the (nearly identity) layers and the final norm, the logits E_a . E_a[t]-ish peak at t.
+    """
+    target_hidden = target_embed.shape[1]
+    inner = model.model
+    with torch.no_grad():
+        proj = torch.randn(target_hidden, ASSISTANT_HIDDEN, generator=gen)
+        embed = target_embed @ proj
+        factor = _COPY_EMBED_RMS / embed.pow(2).mean().sqrt()
+        embed, proj = embed * factor, proj * factor
+        inner.embed_tokens.weight.copy_(embed)  # lm_head is tied to it
+
+        # Token half: sqrt(H_t) E_t[t] -> E_a[t] / _COPY_EMBED_RMS (unit RMS). Hidden half: the
+        # target's final-normed hidden (unit RMS) -> RMS _COPY_HIDDEN_MIX.
+        token_half = proj.T / (math.sqrt(target_hidden) * _COPY_EMBED_RMS)
+        hidden_half = torch.randn(ASSISTANT_HIDDEN, target_hidden, generator=gen)
+        hidden_half *= _COPY_HIDDEN_MIX / math.sqrt(target_hidden)
+        model.pre_projection.weight.copy_(torch.cat([token_half, hidden_half], dim=1))
+
+        for layer in inner.layers:
+            layer.post_attention_layernorm.weight.fill_(_COPY_LAYER_GAIN)
+            layer.post_feedforward_layernorm.weight.fill_(_COPY_LAYER_GAIN)
+
+        if centroids:
+            masked = model.masked_embedding
+            assert masked is not None
+            ordering, centres = _balanced_clusters(embed, masked.num_centroids, gen)
+            masked.token_ordering.copy_(ordering)
+            masked.centroids.weight.copy_(centres * _COPY_EMBED_RMS * math.sqrt(ASSISTANT_HIDDEN))
+
+
+def build_tiny_assistant(
+    path: str | Path,
+    target_path: str | Path,
+    *,
+    centroids: bool = True,
+    style: AssistantStyle = "copy",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a tiny ``gemma4_assistant`` (Gemma4AssistantForCausalLM) matching the target.
+
+    2 fully KV-shared layers [sliding, full], hidden 64; with ``centroids`` the lm_head goes through
+    64 centroids with top-8 (``use_ordered_embeddings``) and a real ``token_ordering`` permutation
+    (transformers would leave it all zeros). ``style="copy"`` drafts the input token again (see
+    ``_make_copy``), ``style="random"`` is plain random weights.
+    """
+    target_dir = Path(target_path)
+    target = Gemma4TextConfig.from_pretrained(target_dir)
+    config = _assistant_config(target, centroids)
+    model = _construct(Gemma4AssistantForCausalLM, config)
+    gen = _generator(seed, _ASSISTANT_SALT)
+    _fill_random(model, gen, INIT_STD)
+    if style == "copy":
+        target_embed = _read_tensor(target_dir, "model.embed_tokens.weight")
+        _make_copy(model, target_embed, gen, centroids)
+    elif style != "random":
+        raise ValueError(f"unknown assistant style {style!r}")
+    if centroids and style == "random":
+        assert model.masked_embedding is not None
+        perm = torch.randperm(config.get_text_config().vocab_size, generator=gen)
+        model.masked_embedding.token_ordering.copy_(perm)
+    return _save(model, Path(path), dtype)
+
+
+def build_tiny_pair(
+    root: str | Path,
+    *,
+    centroids: bool = True,
+    style: AssistantStyle = "copy",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **target_kwargs: Any,
+) -> tuple[Path, Path]:
+    """Write ``root/target`` and a matching ``root/assistant``; returns both paths."""
+    root = Path(root)
+    target = build_tiny_target(root / "target", seed=seed, dtype=dtype, **target_kwargs)
+    assistant = build_tiny_assistant(
+        root / "assistant", target, centroids=centroids, style=style, seed=seed, dtype=dtype
+    )
+    return target, assistant
+
+
+@dataclass
+class HFDraftStep:
+    """Inputs and outputs of transformers' first assistant call after the target's prefill."""
+
+    inputs_embeds: torch.Tensor  # [1, 1, 2*backbone]: cat(scaled target embed of t, target hidden)
+    shared_kv_states: dict[str, tuple[torch.Tensor, torch.Tensor]]  # type -> (K, V) [1,kv,L,d]
+    position_ids: torch.Tensor  # [1, 1] == [[len(prompt)]]
+    logits: torch.Tensor  # [1, 1, vocab]
+    projected_hidden: torch.Tensor  # [1, 1, backbone]: post_projection output (next step's input)
+    token_id: int  # t, the target's greedy next token (the assistant's input token)
+    target_hidden: torch.Tensor  # [1, 1, backbone]: target's final-normed hidden at position L-1
+
+
+def hf_draft_step(
+    target_path: str | Path, assistant_path: str | Path, prompt_ids: list[int]
+) -> HFDraftStep:
+    """Reference for one draft step, run exactly as transformers' assisted generation does it.
+
+    Mirrors ``SinglePositionMultiTokenCandidateGenerator.get_candidates`` right after the target's
+    prefill of the L prompt tokens (float32, eager attention):
+
+    * t = the target's greedy token after the prompt (it will sit at position L);
+    * h = the target's final-normed hidden state at position L-1 (``hidden_states[-1]``, which is
+      what the lm_head consumes and what vLLM's Gemma 4 model returns);
+    * inputs_embeds = cat(embed_tokens(t) * sqrt(H_target), h);
+    * shared_kv_states = per layer type, K/V (all L positions) of the target's last non-KV-shared
+      layer of that type (as ``return_shared_kv_states=True`` gives them);
+    * position_ids = L (``input_ids.shape[1] - 1`` once t is appended), i.e. t's position, NOT the
+      last prompt token's; attention_mask = ones over the L + 1 ids, as ``generate`` passes it.
+    """
+    target = Gemma4ForCausalLM.from_pretrained(
+        target_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(
+        assistant_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    length = ids.shape[1]
+    with torch.no_grad():
+        out = target(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            use_cache=False,
+            output_hidden_states=True,
+            return_shared_kv_states=True,
+        )
+        token = out.logits[:, -1:].argmax(-1)  # [1, 1]
+        hidden = out.hidden_states[-1][:, -1:]  # final-normed, [1, 1, H]
+        shared = {name: (k, v) for name, (k, v) in out.shared_kv_states.items()}
+        embeds = torch.cat([target.get_input_embeddings()(token), hidden], dim=-1)
+        position_ids = torch.tensor([[length]], dtype=torch.long)
+        draft = assistant(
+            inputs_embeds=embeds,
+            attention_mask=torch.ones(1, length + 1, dtype=torch.long),
+            position_ids=position_ids,
+            shared_kv_states=shared,
+            use_cache=False,
+        )
+    return HFDraftStep(
+        inputs_embeds=embeds,
+        shared_kv_states=shared,
+        position_ids=position_ids,
+        logits=draft.logits,
+        projected_hidden=draft.last_hidden_state,
+        token_id=int(token.item()),
+        target_hidden=hidden,
+    )
