@@ -1,0 +1,107 @@
+"""End to end on vLLM's CPU backend: greedy speculative decoding with our plugin gives exactly
+the tokens of decoding without speculation, and matches vLLM's in-tree gemma4_mtp where that
+one runs (an assistant without centroid masking).
+
+float32 throughout (bfloat16 can flip near-tied logits of random weights). The tiny pair's
+"copy" assistant drafts "the next token repeats this one", so with a random target some drafts
+are accepted and most are rejected: both the acceptance and the rollback paths run.
+"""
+
+import random
+
+import pytest
+
+from gemma4_spec.testing.engine_run import RunConfig, RunResult, generate_in_subprocess
+from gemma4_spec.testing.tiny import build_tiny_assistant, build_tiny_pair
+
+pytestmark = pytest.mark.engine
+
+# Several prompts of different lengths in one batch; two are longer than the sliding window (16).
+PROMPT_LENGTHS = (3, 9, 21, 40)
+MAX_TOKENS = 24
+SPEC_TOKENS = (1, 3, 5)
+OUR_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
+IN_TREE_PROPOSER = "vllm.v1.spec_decode.gemma4.Gemma4Proposer"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("tiny")
+    target, centroids = build_tiny_pair(root, centroids=True, style="copy")
+    full_vocab = build_tiny_assistant(root / "assistant-full-vocab", target, centroids=False)
+    return {"target": str(target), "centroids": str(centroids), "full-vocab": str(full_vocab)}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(1234)
+    return [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, prompts) -> dict[str, RunResult]:  # type: ignore[no-untyped-def]
+    """Every configuration with our plugin, in one process; the same without it (in-tree)."""
+    base = dict(target=checkpoints["target"], prompts=prompts, max_tokens=MAX_TOKENS)
+    names, configs = ["plain"], [RunConfig(**base)]
+    for kind in ("centroids", "full-vocab"):
+        for k in SPEC_TOKENS:
+            names.append(f"{kind}-k{k}")
+            configs.append(RunConfig(**base, assistant=checkpoints[kind], num_speculative_tokens=k))
+    names.append("centroids-k3-sampled")
+    configs.append(
+        RunConfig(
+            **base, assistant=checkpoints["centroids"], num_speculative_tokens=3, temperature=0.8
+        )
+    )
+    results = dict(zip(names, generate_in_subprocess(configs), strict=True))
+    (in_tree,) = generate_in_subprocess(
+        [RunConfig(**base, assistant=checkpoints["full-vocab"], num_speculative_tokens=3)],
+        plugins="none",
+    )
+    results["in-tree-full-vocab-k3"] = in_tree
+    return results
+
+
+@pytest.mark.parametrize("kind", ["centroids", "full-vocab"])
+@pytest.mark.parametrize("k", SPEC_TOKENS)
+def test_greedy_output_equals_no_speculation(runs, kind: str, k: int) -> None:  # type: ignore[no-untyped-def]
+    spec = runs[f"{kind}-k{k}"]
+    assert spec.proposer_class == OUR_PROPOSER
+    assert spec.token_ids == runs["plain"].token_ids
+    assert all(len(t) == MAX_TOKENS for t in spec.token_ids)
+
+
+@pytest.mark.parametrize("kind", ["centroids", "full-vocab"])
+@pytest.mark.parametrize("k", SPEC_TOKENS)
+def test_counters_are_consistent(runs, kind: str, k: int) -> None:  # type: ignore[no-untyped-def]
+    m = runs[f"{kind}-k{k}"].spec_metrics
+    drafts = m["vllm:spec_decode_num_drafts"]
+    per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert drafts > 0
+    assert m["vllm:spec_decode_num_draft_tokens"] == k * drafts
+    assert len(per_pos) == k and sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens"]
+    # A draft at position i is accepted only if every earlier one was.
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+
+
+def test_drafts_are_both_accepted_and_rejected(runs) -> None:  # type: ignore[no-untyped-def]
+    for kind in ("centroids", "full-vocab"):
+        m = runs[f"{kind}-k3"].spec_metrics
+        accepted = m["vllm:spec_decode_num_accepted_tokens"]
+        assert 0 < accepted < m["vllm:spec_decode_num_draft_tokens"], (kind, m)
+
+
+def test_same_tokens_and_counters_as_in_tree(runs) -> None:  # type: ignore[no-untyped-def]
+    ours, in_tree = runs["full-vocab-k3"], runs["in-tree-full-vocab-k3"]
+    assert in_tree.proposer_class == IN_TREE_PROPOSER  # VLLM_PLUGINS=none: the plugin is off
+    assert ours.proposer_class == OUR_PROPOSER
+    assert ours.token_ids == in_tree.token_ids
+    assert ours.spec_metrics == in_tree.spec_metrics
+
+
+def test_sampling_with_temperature_runs_to_completion(runs) -> None:  # type: ignore[no-untyped-def]
+    sampled = runs["centroids-k3-sampled"]
+    assert [len(t) for t in sampled.token_ids] == [MAX_TOKENS] * len(PROMPT_LENGTHS)
+    assert all(0 <= tok < 2048 for t in sampled.token_ids for tok in t)
+    assert sampled.spec_metrics["vllm:spec_decode_num_drafts"] > 0
+    assert sampled.token_ids != runs["plain"].token_ids  # it did sample
