@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -12,6 +13,8 @@ DEFAULT_WORKDIR = Path("runs/tiny")
 
 
 def _demo(args: argparse.Namespace) -> int:
+    # The demo's own summary is what matters here; VLLM_LOGGING_LEVEL=INFO brings vLLM's back.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from gemma4_spec.testing.engine_run import RunConfig, generate
     from gemma4_spec.testing.tiny import build_tiny_pair
 
@@ -30,15 +33,24 @@ def _demo(args: argparse.Namespace) -> int:
     spec_s = time.perf_counter() - start
 
     same = plain.token_ids == spec.token_ids
-    print()
+    metrics = spec.spec_metrics
+    drafts = metrics.get("vllm:spec_decode_num_drafts", 0)
+    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
+    print("\n" + "=" * 72)
     print(f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy, float32, k={args.k}")
     print(f"outputs identical with and without speculation: {'yes' if same else 'NO'}")
-    for name, value in sorted(spec.spec_metrics.items()):
+    print("vLLM spec-decode counters:")
+    for name, value in sorted(metrics.items()):
         print(f"  {name} = {value}")
-    print(f"  acceptance rate (accepted / drafted) = {spec.acceptance_rate:.3f}")
-    print(f"  mean acceptance length (tokens per target step) = {spec.mean_acceptance_length:.2f}")
+    print(f"acceptance rate (accepted / drafted): {spec.acceptance_rate:.3f}")
+    print(
+        "acceptance by draft position: "
+        + ", ".join(f"{i + 1}: {n / drafts:.3f}" for i, n in enumerate(per_pos) if drafts)
+    )
+    print(f"mean acceptance length (tokens per target step): {spec.mean_acceptance_length:.2f}")
     print(f"wall time incl. engine start-up: {plain_s:.1f} s plain, {spec_s:.1f} s speculative")
-    print("(random tiny weights: the 'copy' assistant is accepted only where the target repeats)")
+    print("Random tiny weights: the 'copy' assistant is right only where the target repeats.")
+    print("=" * 72)
     return 0 if same else 1
 
 
