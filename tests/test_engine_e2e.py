@@ -29,7 +29,20 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:  # type: ignore[no-untyped-
     root = tmp_path_factory.mktemp("tiny")
     target, centroids = build_tiny_pair(root, centroids=True, style="copy")
     full_vocab = build_tiny_assistant(root / "assistant-full-vocab", target, centroids=False)
-    return {"target": str(target), "centroids": str(centroids), "full-vocab": str(full_vocab)}
+    # Like real Gemma 4 E2B/E4B targets, whose last layers reuse earlier layers' K/V: the
+    # assistant must read the last layers that own a cache ([s, s, s, f, s, f], 2 shared -> 2, 3).
+    shared, shared_centroids = build_tiny_pair(
+        root / "kv-shared", centroids=True, num_hidden_layers=6, num_kv_shared_layers=2
+    )
+    shared_full = build_tiny_assistant(root / "kv-shared" / "full", shared, centroids=False)
+    return {
+        "target": str(target),
+        "centroids": str(centroids),
+        "full-vocab": str(full_vocab),
+        "shared-target": str(shared),
+        "shared-centroids": str(shared_centroids),
+        "shared-full-vocab": str(shared_full),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +66,34 @@ def runs(checkpoints, prompts) -> dict[str, RunResult]:  # type: ignore[no-untyp
             **base, assistant=checkpoints["centroids"], num_speculative_tokens=3, temperature=0.8
         )
     )
+    # Prefill in chunks of 16 tokens: drafting must wait for the last chunk of each prompt.
+    names.append("centroids-k3-chunked")
+    configs.append(
+        RunConfig(
+            **base,
+            assistant=checkpoints["centroids"],
+            num_speculative_tokens=3,
+            max_num_batched_tokens=16,
+        )
+    )
+    shared = dict(base, target=checkpoints["shared-target"])
+    names += ["shared-plain", "shared-centroids-k3", "shared-full-vocab-k3"]
+    configs += [
+        RunConfig(**shared),
+        RunConfig(**shared, assistant=checkpoints["shared-centroids"], num_speculative_tokens=3),
+        RunConfig(**shared, assistant=checkpoints["shared-full-vocab"], num_speculative_tokens=3),
+    ]
     results = dict(zip(names, generate_in_subprocess(configs), strict=True))
-    (in_tree,) = generate_in_subprocess(
-        [RunConfig(**base, assistant=checkpoints["full-vocab"], num_speculative_tokens=3)],
+    in_tree = generate_in_subprocess(
+        [
+            RunConfig(**base, assistant=checkpoints["full-vocab"], num_speculative_tokens=3),
+            RunConfig(
+                **shared, assistant=checkpoints["shared-full-vocab"], num_speculative_tokens=3
+            ),
+        ],
         plugins="none",
     )
-    results["in-tree-full-vocab-k3"] = in_tree
+    results["in-tree-full-vocab-k3"], results["in-tree-shared-full-vocab-k3"] = in_tree
     return results
 
 
@@ -91,12 +126,25 @@ def test_drafts_are_both_accepted_and_rejected(runs) -> None:  # type: ignore[no
         assert 0 < accepted < m["vllm:spec_decode_num_draft_tokens"], (kind, m)
 
 
-def test_same_tokens_and_counters_as_in_tree(runs) -> None:  # type: ignore[no-untyped-def]
-    ours, in_tree = runs["full-vocab-k3"], runs["in-tree-full-vocab-k3"]
+@pytest.mark.parametrize("name", ["full-vocab-k3", "shared-full-vocab-k3"])
+def test_same_tokens_and_counters_as_in_tree(runs, name: str) -> None:  # type: ignore[no-untyped-def]
+    ours, in_tree = runs[name], runs[f"in-tree-{name}"]
     assert in_tree.proposer_class == IN_TREE_PROPOSER  # VLLM_PLUGINS=none: the plugin is off
     assert ours.proposer_class == OUR_PROPOSER
     assert ours.token_ids == in_tree.token_ids
     assert ours.spec_metrics == in_tree.spec_metrics
+
+
+@pytest.mark.parametrize("name", ["shared-centroids-k3", "shared-full-vocab-k3"])
+def test_target_with_kv_shared_layers(runs, name: str) -> None:  # type: ignore[no-untyped-def]
+    assert runs[name].token_ids == runs["shared-plain"].token_ids
+    assert runs[name].spec_metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_chunked_prefill(runs) -> None:  # type: ignore[no-untyped-def]
+    chunked = runs["centroids-k3-chunked"]
+    assert chunked.token_ids == runs["plain"].token_ids
+    assert chunked.spec_metrics["vllm:spec_decode_num_drafts"] > 0
 
 
 def test_sampling_with_temperature_runs_to_completion(runs) -> None:  # type: ignore[no-untyped-def]

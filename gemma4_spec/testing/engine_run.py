@@ -33,6 +33,8 @@ class RunConfig:
     enforce_eager: bool = True
     seed: int = 0
     max_model_len: int = 512
+    # Small values force chunked prefill of long prompts; None keeps vLLM's default.
+    max_num_batched_tokens: int | None = None
 
 
 @dataclass
@@ -70,6 +72,8 @@ def engine_kwargs(config: RunConfig, *, single_process: bool = False) -> dict[st
         gpu_memory_utilization=0.3,
         disable_log_stats=False,
     )
+    if config.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
     if single_process:
         kwargs["distributed_executor_backend"] = "uni"
     if config.assistant is not None:
