@@ -16,7 +16,11 @@ import time
 
 import torch
 
-from gemma4_spec.ops.centroid_argmax import centroid_argmax, centroid_argmax_reference
+from gemma4_spec.ops.centroid_argmax import (
+    CentroidMask,
+    centroid_argmax,
+    centroid_argmax_reference,
+)
 
 VOCAB, CENTROIDS, TOP_K, HIDDEN = 262144, 2048, 32, 256  # E2B/E4B assistants
 
@@ -56,6 +60,7 @@ def main() -> None:
     lm_head = torch.randn(VOCAB, HIDDEN, generator=gen).to(device, dtype)
     centroid_w = torch.randn(CENTROIDS, HIDDEN, generator=gen).to(device, dtype)
     ordering = torch.randperm(VOCAB, generator=gen).to(device)
+    mask = CentroidMask(centroid_w, ordering, TOP_K)
 
     embedder = None
     try:
@@ -70,12 +75,12 @@ def main() -> None:
     for t in (int(x) for x in args.tokens.split(",")):
         hidden = torch.randn(t, HIDDEN, generator=gen).to(device, dtype)
         ours = _time(
-            lambda h=hidden: centroid_argmax(h, lm_head, centroid_w, ordering, TOP_K),
+            lambda h=hidden: centroid_argmax(h, lm_head, mask),
             device,
             args.reps,
         )
         ref = _time(
-            lambda h=hidden: centroid_argmax_reference(h, lm_head, centroid_w, ordering, TOP_K),
+            lambda h=hidden: centroid_argmax_reference(h, lm_head, mask),
             device,
             max(3, args.reps // 4),
         )

@@ -41,7 +41,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
-from gemma4_spec.ops.centroid_argmax import centroid_argmax, masked_logits
+from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax, masked_logits
 from gemma4_spec.validation import kv_source_layers, layer_attention_shape
 
 SLIDING = "sliding_attention"
@@ -301,17 +301,21 @@ class Gemma4AssistantForDrafting(nn.Module):
         backbone_hidden, _ = self.post_projection(h)
         return h, backbone_hidden
 
+    def _centroid_mask(self) -> CentroidMask | None:
+        if self.masked_embedding is None:
+            return None
+        return CentroidMask(
+            self.masked_embedding.centroids.weight,
+            self.masked_embedding.token_ordering,
+            self.masked_embedding.top_k,
+            self.suppressed_tokens,
+        )
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Full-vocab draft logits; with centroid masking, unselected tokens are ``-inf``."""
-        if self.masked_embedding is not None:
-            return masked_logits(
-                hidden_states,
-                self.lm_head.weight,
-                self.masked_embedding.centroids.weight,
-                self.masked_embedding.token_ordering,
-                self.masked_embedding.top_k,
-                self.suppressed_tokens,
-            )
+        mask = self._centroid_mask()
+        if mask is not None:
+            return masked_logits(hidden_states, self.lm_head.weight, mask)
         logits = self.lm_head(hidden_states)
         if self.final_logit_softcapping is not None:
             cap = self.final_logit_softcapping
@@ -324,16 +328,10 @@ class Gemma4AssistantForDrafting(nn.Module):
         """Greedy draft tokens; with centroid masking, no full-vocab tensor is built.
 
         Soft-capping is monotonic, so the argmax does not need it."""
-        if self.masked_embedding is None:
+        mask = self._centroid_mask()
+        if mask is None:
             return self.compute_logits(hidden_states).argmax(dim=-1)
-        return centroid_argmax(
-            hidden_states,
-            self.lm_head.weight,
-            self.masked_embedding.centroids.weight,
-            self.masked_embedding.token_ordering,
-            self.masked_embedding.top_k,
-            self.suppressed_tokens,
-        )
+        return centroid_argmax(hidden_states, self.lm_head.weight, mask)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
