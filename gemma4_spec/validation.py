@@ -376,14 +376,53 @@ def _check_attention(assistant_text: Any, target_text: Any, assistant: str, targ
             )
 
 
+def _rope_for_type(text_config: Any, layer_type: str) -> Any:
+    """The RoPE parameters layers of ``layer_type`` use, or ``None`` if the config has none.
+
+    Gemma 4 keys ``rope_parameters`` by layer type; a flat dict (one set for every layer) is
+    accepted too. ``None`` values are dropped so an explicit unset field equals an absent one.
+    """
+    rope = _read(text_config, "rope_parameters")
+    if not isinstance(rope, Mapping):
+        return None
+    if SLIDING_ATTENTION in rope or FULL_ATTENTION in rope:
+        rope = rope.get(layer_type)
+        if not isinstance(rope, Mapping):
+            return rope
+    return {key: value for key, value in rope.items() if value is not None}
+
+
+def _check_rope(assistant_text: Any, target_text: Any, assistant: str, target: str) -> None:
+    """The assistant's queries meet keys the target rotated: RoPE must match per layer type.
+
+    A mismatch raises no error anywhere later; it only makes every draft (nearly) wrong.
+    Skipped when either config has no ``rope_parameters`` (older flat ``rope_theta`` fields).
+    """
+    if _read(assistant_text, "rope_parameters") is None:
+        return
+    if _read(target_text, "rope_parameters") is None:
+        return
+    for layer_type in dict.fromkeys(_layer_types(assistant_text, "assistant")):
+        own = _rope_for_type(assistant_text, layer_type)
+        src = _rope_for_type(target_text, layer_type)
+        if own != src:
+            raise AssistantMismatchError(
+                f"The {layer_type!r} layers of the {assistant} use rope_parameters={own!r}, but "
+                f"the {layer_type!r} layers of the {target}, whose K/V cache they read, use "
+                f"rope_parameters={src!r}: the assistant's queries would be rotated differently "
+                f"from the target's keys and almost no draft would be accepted; {_PAIR_FIX}."
+            )
+
+
 def validate_pair(target_config: PretrainedConfig, assistant_config: PretrainedConfig) -> None:
     """Raise :class:`AssistantMismatchError` unless the assistant can draft for the target.
 
     Checks, in order (the first failure is reported, most fundamental first): the target is a
     Gemma 4 model; the draft is a Gemma 4 assistant; ``backbone_hidden_size`` equals the
     target's ``hidden_size``; the vocabularies match; the centroid-masking parameters are
-    consistent; and every assistant layer finds a target layer to read K/V from whose
-    ``(num_key_value_heads, head_dim)`` (and sliding window) match its own.
+    consistent; every assistant layer finds a target layer to read K/V from whose
+    ``(num_key_value_heads, head_dim)`` (and sliding window) match its own; and the RoPE
+    parameters of each layer type the assistant uses equal the target's for that type.
     """
     target_text = _check_target(target_config)
     assistant_text = _check_assistant(assistant_config)
@@ -393,6 +432,7 @@ def validate_pair(target_config: PretrainedConfig, assistant_config: PretrainedC
     _check_vocab(assistant_text, target_text, assistant, target)
     _check_centroids(assistant_config, assistant_text, assistant)
     _check_attention(assistant_text, target_text, assistant, target)
+    _check_rope(assistant_text, target_text, assistant, target)
 
 
 # --------------------------------------------------------------------------------------------

@@ -329,3 +329,41 @@ def test_read_token_ordering_absent(tmp_path: Path) -> None:
 def test_read_token_ordering_missing_directory(tmp_path: Path) -> None:
     with pytest.raises(AssistantMismatchError, match="does not exist"):
         read_token_ordering(tmp_path / "nope")
+
+
+# --- RoPE --------------------------------------------------------------------------------------
+
+
+def rope_with(layer_type: str, **changes: Any) -> dict[str, Any]:
+    rope = copy.deepcopy(target_text().rope_parameters)
+    rope[layer_type].update(changes)
+    return rope
+
+
+def test_full_attention_rope_mismatch() -> None:
+    draft = assistant({"rope_parameters": rope_with(F, rope_theta=10_000.0)})
+    message = mismatch(target_text(), as_vllm_sees_it(draft))
+    assert "'full_attention'" in message
+    assert "'rope_theta': 10000.0" in message and "'rope_theta': 1000000.0" in message
+
+
+def test_sliding_attention_rope_mismatch() -> None:
+    draft = assistant({"rope_parameters": rope_with(S, rope_type="linear", factor=2.0)})
+    message = mismatch(target_text(), draft)
+    assert "'sliding_attention'" in message and "'linear'" in message and "'default'" in message
+
+
+def test_rope_only_compared_for_layer_types_the_assistant_uses() -> None:
+    # An assistant of one full-attention layer never meets the target's sliding-window keys.
+    rope = rope_with(S, rope_theta=1_234.0)
+    draft = assistant(
+        {
+            "rope_parameters": rope,
+            "num_hidden_layers": 1,
+            "layer_types": [F],
+            "num_kv_shared_layers": 1,
+        }
+    )
+    validate_pair(target_text(), draft)
+    message = mismatch(target_text(), assistant({"rope_parameters": rope}))
+    assert "'sliding_attention'" in message and "1234.0" in message
