@@ -4,15 +4,22 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gemma4_spec.compat import check_vllm_version
+from gemma4_spec.compat import UnsupportedVLLMVersionError, check_vllm_version
 from gemma4_spec.validation import (
     AssistantMismatchError,
     read_token_ordering,
     validate_pair,
     validate_token_ordering,
+)
+
+_NEEDS_ASSISTANT = (
+    "method 'gemma4_mtp' needs an assistant checkpoint: pass "
+    '--speculative-config \'{"method": "gemma4_mtp", "model": ASSISTANT, '
+    '"num_speculative_tokens": K}\'.'
 )
 
 
@@ -22,11 +29,7 @@ def check_gemma4_mtp_request(spec_config: Any) -> None:
     draft = spec_config.draft_model_config
     target = spec_config.target_model_config
     if draft is None or target is None:
-        raise AssistantMismatchError(
-            "method 'gemma4_mtp' needs an assistant checkpoint: pass "
-            '--speculative-config \'{"method": "gemma4_mtp", "model": ASSISTANT, '
-            '"num_speculative_tokens": K}\'.'
-        )
+        raise AssistantMismatchError(_NEEDS_ASSISTANT)
     assistant_config = draft.hf_config
     validate_pair(target.hf_config, assistant_config)
     if getattr(assistant_config, "use_ordered_embeddings", False):
@@ -43,6 +46,35 @@ def check_gemma4_mtp_request(spec_config: Any) -> None:
             assistant_config.get_text_config().vocab_size,
             assistant_config.num_centroids,
         )
+
+
+def explain_failed_gemma4_mtp_request(spec: Mapping[str, Any] | None, error: Exception) -> None:
+    """vLLM's ``SpeculativeConfig`` rejected a gemma4_mtp request: say why, if our checks can.
+
+    Raises our error (chained to vLLM's) when the version, the missing draft or the pair checks
+    explain the failure; returns, so the caller re-raises vLLM's error, when they do not. The
+    draft config is read with transformers, as vLLM never got to build it.
+    """
+    try:
+        check_vllm_version()
+    except UnsupportedVLLMVersionError as ours:
+        raise ours from error
+    spec = spec or {}
+    model = spec.get("model")
+    if model is None:
+        raise AssistantMismatchError(_NEEDS_ASSISTANT) from error
+    target = spec.get("target_model_config")
+    if target is None:
+        return
+    try:
+        from transformers import AutoConfig
+
+        assistant_config = AutoConfig.from_pretrained(str(model), revision=spec.get("revision"))
+        validate_pair(target.hf_config, assistant_config)
+    except AssistantMismatchError as ours:
+        raise ours from error
+    except Exception:  # our diagnosis failed too: vLLM's own error is the better report
+        return
 
 
 def _local_checkpoint_dir(model: str, revision: str | None) -> Path:

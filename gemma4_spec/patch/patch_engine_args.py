@@ -3,7 +3,9 @@
 Wraps: ``vllm.engine.arg_utils.EngineArgs.create_speculative_config``, which builds the draft's
 config in the front-end process. When the request is for Gemma 4 MTP, the wrapper checks the
 vLLM version and the target/assistant pair (sizes, KV shapes, vocab, centroids,
-``token_ordering``) and raises one clear error instead of a failure deep inside a worker.
+``token_ordering``) and raises one clear error instead of a failure deep inside a worker. If
+vLLM's own ``SpeculativeConfig`` rejects a gemma4_mtp request first (e.g. the draft is not an
+assistant), the same checks explain why, chained to vLLM's error.
 vLLM versions: any (the version check itself must run on unsupported versions).
 """
 
@@ -25,8 +27,18 @@ def apply(arg_utils: ModuleType) -> None:
 
     @functools.wraps(original)
     def create_speculative_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        requested = (self.speculative_config or {}).get("method") == "gemma4_mtp"
-        spec_config = original(self, *args, **kwargs)
+        requested = _requests_gemma4_mtp(self)
+        try:
+            spec_config = original(self, *args, **kwargs)
+        except Exception as exc:
+            # vLLM rejects some bad gemma4_mtp requests itself, with errors that do not say what
+            # is wrong (a draft that is not an assistant: "Unsupported speculative method: 'mtp'").
+            # Explain with our checks when they find the cause; otherwise vLLM's error stands.
+            if requested:
+                from gemma4_spec.checks import explain_failed_gemma4_mtp_request
+
+                explain_failed_gemma4_mtp_request(self.speculative_config, exc)
+            raise
         if spec_config is None:
             return None
         draft = spec_config.draft_model_config
@@ -39,3 +51,9 @@ def apply(arg_utils: ModuleType) -> None:
 
     create_speculative_config._gemma4_spec_checked = True  # type: ignore[attr-defined]
     engine_args.create_speculative_config = create_speculative_config
+
+
+def _requests_gemma4_mtp(engine_args: Any) -> bool:
+    spec = engine_args.speculative_config
+    method = spec.get("method") if isinstance(spec, dict) else None
+    return "gemma4_mtp" in (method, getattr(engine_args, "spec_method", None))

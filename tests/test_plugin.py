@@ -1,0 +1,211 @@
+"""Unit tests for the plugin entry point, the vLLM version range and the deferred-import hooks.
+
+Fast: no engine, no checkpoints. Anything that must see a process where vLLM's GPU model runner
+has not been imported yet runs in a fresh subprocess; in-process tests put every global they
+touch (``_registered``, vLLM's ModelRegistry entry, the hooks' pending table) back afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from packaging.version import Version
+
+import gemma4_spec.compat as compat
+from gemma4_spec import plugin
+from gemma4_spec.compat import SUPPORTED_VLLM, UnsupportedVLLMVersionError, check_vllm_version
+from gemma4_spec.patch import hooks, patch_engine_args, patch_gpu_model_runner
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+OUR_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """``register()`` as if never called; records what it registers instead of doing it.
+
+    ``when_imported`` is replaced by a recorder (so no hook is installed and no patch applied),
+    ``ModelRegistry.register_model`` is recorded and called through, and the registry entry,
+    ``_registered`` and the hooks' pending table are restored on teardown.
+    """
+    from vllm import ModelRegistry
+
+    calls: dict[str, list[Any]] = {"when_imported": [], "register_model": []}
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(hooks, "_pending", {k: list(v) for k, v in hooks._pending.items()})
+    monkeypatch.setitem(
+        ModelRegistry.models,
+        plugin.ASSISTANT_ARCHITECTURE,
+        ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE],
+    )
+    monkeypatch.setattr(
+        plugin,
+        "when_imported",
+        lambda name, callback: calls["when_imported"].append((name, callback)),
+    )
+    register_model = ModelRegistry.register_model
+
+    def record_register_model(arch: str, cls: Any) -> None:
+        calls["register_model"].append((arch, cls))
+        register_model(arch, cls)
+
+    monkeypatch.setattr(ModelRegistry, "register_model", record_register_model)
+    return calls
+
+
+def run_python(code: str) -> Any:
+    """Run ``code`` in a fresh interpreter; it prints one ``RESULT:<json>`` line."""
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT:")]
+    assert len(lines) == 1, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads(lines[0].removeprefix("RESULT:"))
+
+
+# --- register() ------------------------------------------------------------------------------
+
+
+def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
+    from vllm import ModelRegistry
+
+    plugin.register()
+    plugin.register()
+
+    assert fresh_plugin["register_model"] == [(plugin.ASSISTANT_ARCHITECTURE, plugin.MODEL_CLASS)]
+    assert [name for name, _ in fresh_plugin["when_imported"]] == [
+        patch_engine_args.ARG_UTILS_MODULE,
+        patch_gpu_model_runner.RUNNER_MODULE,
+    ]
+    assert [cb for _, cb in fresh_plugin["when_imported"]] == [
+        patch_engine_args.apply,
+        patch_gpu_model_runner.apply,
+    ]
+    entry = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
+    assert f"{entry.module_name}:{entry.class_name}" == plugin.MODEL_CLASS
+
+
+def test_register_on_unsupported_vllm_only_installs_the_check(
+    fresh_plugin: dict[str, list[Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from vllm import ModelRegistry
+
+    before = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
+    monkeypatch.setattr(plugin, "vllm_is_supported", lambda: False)
+    with caplog.at_level("WARNING", logger=plugin.__name__):
+        plugin.register()
+
+    assert fresh_plugin["register_model"] == []
+    assert ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE] is before
+    assert fresh_plugin["when_imported"] == [
+        (patch_engine_args.ARG_UTILS_MODULE, patch_engine_args.apply)
+    ]
+    assert f"supports vLLM {SUPPORTED_VLLM}" in caplog.text
+
+
+def test_register_defers_the_runner_patch_to_its_import() -> None:
+    result = run_python(
+        "import json, sys\n"
+        "from gemma4_spec.plugin import register\n"
+        "register()\n"
+        "imported = 'vllm.v1.worker.gpu_model_runner' in sys.modules\n"
+        "import vllm.v1.worker.gpu_model_runner as runner\n"
+        "cls = runner.Gemma4Proposer\n"
+        "print('RESULT:' + json.dumps([imported, f'{cls.__module__}.{cls.__qualname__}']))\n"
+    )
+    assert result == [False, OUR_PROPOSER]
+
+
+def test_entry_point_is_declared() -> None:
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    ours = [ep for ep in plugins if ep.name == "gemma4_spec"]
+    assert len(ours) == 1
+    assert ours[0].value == "gemma4_spec.plugin:register"
+
+
+# --- supported vLLM versions -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("found", ["0.20.0", "0.40.0", "0.34.0", "0.31.9"])
+def test_unsupported_vllm_version(found: str) -> None:
+    with pytest.raises(UnsupportedVLLMVersionError) as info:
+        check_vllm_version(Version(found))
+    message = str(info.value)
+    assert f"vLLM {found} is installed" in message
+    assert str(SUPPORTED_VLLM) in message
+    assert "pip install" in message and "VLLM_PLUGINS" in message
+
+
+@pytest.mark.parametrize("found", ["0.32.0", "0.33.1", "0.32.0+cpu", "0.33.0.post1"])
+def test_supported_vllm_version(found: str) -> None:
+    check_vllm_version(Version(found))
+    assert compat.vllm_is_supported(Version(found))
+
+
+def test_no_vllm_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: None)
+    assert not compat.vllm_is_supported()
+    with pytest.raises(UnsupportedVLLMVersionError) as info:
+        check_vllm_version()
+    message = str(info.value)
+    assert "no vLLM is installed" in message
+    assert str(SUPPORTED_VLLM) in message and "pip install" in message
+
+
+def test_installed_vllm_is_supported() -> None:
+    assert compat.installed_vllm_version() is not None
+    check_vllm_version()
+
+
+# --- hooks.when_imported ---------------------------------------------------------------------
+
+
+def test_when_imported_runs_at_once_for_an_imported_module() -> None:
+    seen: list[ModuleType] = []
+    hooks.when_imported("json", seen.append)
+    assert seen == [json]
+    assert "json" not in hooks._pending
+
+
+@pytest.fixture
+def probe_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The name of a not-yet-imported throwaway module on sys.path (forgotten afterwards)."""
+    name = f"gemma4_spec_hook_probe_{uuid.uuid4().hex}"
+    (tmp_path / f"{name}.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    yield name
+    sys.modules.pop(name, None)
+    hooks._pending.pop(name, None)
+
+
+def test_when_imported_runs_once_right_after_import(probe_module: str) -> None:
+    seen: list[tuple[str, ModuleType, int]] = []
+    hooks.when_imported(probe_module, lambda m: seen.append(("first", m, m.VALUE)))
+    hooks.when_imported(probe_module, lambda m: seen.append(("second", m, m.VALUE)))
+    assert seen == []
+    assert probe_module not in sys.modules
+
+    module = importlib.import_module(probe_module)
+    # Both callbacks, in order, with the fully executed module.
+    assert seen == [("first", module, 42), ("second", module, 42)]
+    assert probe_module not in hooks._pending
+
+    importlib.import_module(probe_module)
+    assert len(seen) == 2
