@@ -14,7 +14,7 @@ DEFAULT_WORKDIR = Path("runs/tiny")
 
 def _demo(args: argparse.Namespace) -> int:
     # The demo's own summary is what matters here; VLLM_LOGGING_LEVEL=INFO brings vLLM's back.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from gemma4_spec.testing.engine_run import RunConfig, generate
     from gemma4_spec.testing.tiny import build_tiny_pair
 

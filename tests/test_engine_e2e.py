@@ -66,6 +66,13 @@ def runs(checkpoints, prompts) -> dict[str, RunResult]:  # type: ignore[no-untyp
             **base, assistant=checkpoints["centroids"], num_speculative_tokens=3, temperature=0.8
         )
     )
+    # bfloat16, as real deployments run (greedy equality is only asserted in float32).
+    names.append("centroids-k3-bf16")
+    configs.append(
+        RunConfig(
+            **base, assistant=checkpoints["centroids"], num_speculative_tokens=3, dtype="bfloat16"
+        )
+    )
     # Prefill in chunks of 16 tokens: drafting must wait for the last chunk of each prompt.
     names.append("centroids-k3-chunked")
     configs.append(
@@ -153,3 +160,10 @@ def test_sampling_with_temperature_runs_to_completion(runs) -> None:  # type: ig
     assert all(0 <= tok < 2048 for t in sampled.token_ids for tok in t)
     assert sampled.spec_metrics["vllm:spec_decode_num_drafts"] > 0
     assert sampled.token_ids != runs["plain"].token_ids  # it did sample
+
+
+def test_bfloat16_runs(runs) -> None:  # type: ignore[no-untyped-def]
+    bf16 = runs["centroids-k3-bf16"]
+    assert [len(t) for t in bf16.token_ids] == [MAX_TOKENS] * len(PROMPT_LENGTHS)
+    m = bf16.spec_metrics
+    assert m["vllm:spec_decode_num_draft_tokens"] == 3 * m["vllm:spec_decode_num_drafts"] > 0
