@@ -23,9 +23,14 @@ _NEEDS_ASSISTANT = (
 )
 
 
+class UnsupportedConfigurationError(ValueError):
+    """A vLLM setting that gemma4_mtp drafting cannot run with."""
+
+
 def check_gemma4_mtp_request(spec_config: Any) -> None:
     """Raise a clear error if this vLLM, the target or the assistant cannot run gemma4_mtp."""
     check_vllm_version()
+    _check_parallelism(spec_config)
     draft = spec_config.draft_model_config
     target = spec_config.target_model_config
     if draft is None or target is None:
@@ -45,6 +50,19 @@ def check_gemma4_mtp_request(spec_config: Any) -> None:
             ordering,
             assistant_config.get_text_config().vocab_size,
             assistant_config.num_centroids,
+        )
+
+
+def _check_parallelism(spec_config: Any) -> None:
+    stages = getattr(
+        getattr(spec_config, "target_parallel_config", None), "pipeline_parallel_size", 1
+    )
+    if stages > 1:
+        raise UnsupportedConfigurationError(
+            f"gemma4_mtp drafting does not support pipeline parallelism "
+            f"(pipeline_parallel_size={stages}): the assistant needs the target's input "
+            "embedding and its K/V caches on the last stage. Use tensor parallelism instead "
+            "(--tensor-parallel-size) with pipeline_parallel_size=1."
         )
 
 

@@ -209,3 +209,17 @@ def test_when_imported_runs_once_right_after_import(probe_module: str) -> None:
 
     importlib.import_module(probe_module)
     assert len(seen) == 2
+
+
+def test_pipeline_parallelism_is_rejected_before_loading() -> None:
+    from types import SimpleNamespace
+
+    from gemma4_spec.checks import UnsupportedConfigurationError, check_gemma4_mtp_request
+
+    spec_config = SimpleNamespace(
+        target_parallel_config=SimpleNamespace(pipeline_parallel_size=2),
+        draft_model_config=None,
+        target_model_config=None,
+    )
+    with pytest.raises(UnsupportedConfigurationError, match="pipeline_parallel_size=2"):
+        check_gemma4_mtp_request(spec_config)
