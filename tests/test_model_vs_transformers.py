@@ -11,6 +11,7 @@ so values agree to ~1e-5 relative, asserted at 1e-4.
 """
 
 import glob
+import json
 
 import pytest
 import torch
@@ -90,6 +91,13 @@ def _assistant_module(target_dir, assistant_dir, tmp_path):  # type: ignore[no-u
     return target, draft
 
 
+def _attend_to_reference_kv(draft, ref) -> None:  # type: ignore[no-untyped-def]
+    """Make each Q-only layer attend to the target K/V that transformers gave the assistant."""
+    for layer, layer_type in zip(draft.model.layers, draft.text_config.layer_types, strict=True):
+        key, value = ref.shared_kv_states[layer_type]
+        layer.self_attn.attn = SharedKVAttention(key, value, layer.self_attn.num_heads)
+
+
 def _tensors(directory) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(glob.glob(f"{directory}/*.safetensors")):
@@ -103,10 +111,7 @@ def test_one_draft_step_matches_transformers(tmp_path, centroids: bool) -> None:
     ref = hf_draft_step(target_dir, assistant_dir, PROMPT)
     _, draft = _assistant_module(target_dir, assistant_dir, tmp_path)
 
-    layer_types = draft.text_config.layer_types
-    for layer, layer_type in zip(draft.model.layers, layer_types, strict=True):
-        key, value = ref.shared_kv_states[layer_type]
-        layer.self_attn.attn = SharedKVAttention(key, value, layer.self_attn.num_heads)
+    _attend_to_reference_kv(draft, ref)
 
     backbone = draft.config.backbone_hidden_size
     positions = ref.position_ids.view(-1)
@@ -133,3 +138,33 @@ def test_one_draft_step_matches_transformers(tmp_path, centroids: bool) -> None:
     else:
         torch.testing.assert_close(logits, want, **TOL)
     assert torch.equal(top, want.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("centroids", [True, False], ids=["centroids", "full-vocab"])
+def test_suppress_tokens_of_the_generation_config_are_never_drafted(
+    tmp_path, centroids: bool
+) -> None:
+    target_dir, assistant_dir = build_tiny_pair(tmp_path / "pair", centroids=centroids)
+    ref = hf_draft_step(target_dir, assistant_dir, PROMPT)
+    favourite = int(ref.logits[0].argmax())
+    config_path = assistant_dir / "generation_config.json"
+    generation = json.loads(config_path.read_text())
+    generation["suppress_tokens"] = [favourite]
+    config_path.write_text(json.dumps(generation))
+
+    _, draft = _assistant_module(target_dir, assistant_dir, tmp_path)
+    _attend_to_reference_kv(draft, ref)
+    with torch.no_grad():
+        draft_hidden, _ = draft(
+            input_ids=torch.tensor([ref.token_id]),
+            positions=ref.position_ids.view(-1),
+            hidden_states=ref.target_hidden[0],
+        )
+        logits = draft.compute_logits(draft_hidden)
+        top = draft.get_top_tokens(draft_hidden)
+
+    assert logits[0, favourite] == float("-inf")
+    expected = ref.logits[0].clone()
+    expected[0, favourite] = float("-inf")
+    assert top.item() != favourite
+    assert top.item() == int(expected.argmax())
