@@ -11,7 +11,13 @@ import random
 
 import pytest
 
-from gemma4_spec.testing.engine_run import RunConfig, RunResult, generate_in_subprocess
+from gemma4_spec.testing.engine_run import (
+    IN_TREE_PROPOSER,
+    PLUGIN_PROPOSER,
+    RunConfig,
+    RunResult,
+    generate_in_subprocess,
+)
 from gemma4_spec.testing.tiny import build_tiny_assistant, build_tiny_pair
 
 pytestmark = pytest.mark.engine
@@ -20,8 +26,6 @@ pytestmark = pytest.mark.engine
 PROMPT_LENGTHS = (3, 9, 21, 40)
 MAX_TOKENS = 24
 SPEC_TOKENS = (1, 3, 5)
-OUR_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
-IN_TREE_PROPOSER = "vllm.v1.spec_decode.gemma4.Gemma4Proposer"
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +112,7 @@ def runs(checkpoints, prompts) -> dict[str, RunResult]:  # type: ignore[no-untyp
 @pytest.mark.parametrize("k", SPEC_TOKENS)
 def test_greedy_output_equals_no_speculation(runs, kind: str, k: int) -> None:  # type: ignore[no-untyped-def]
     spec = runs[f"{kind}-k{k}"]
-    assert spec.proposer_class == OUR_PROPOSER
+    assert spec.proposer_class == PLUGIN_PROPOSER
     assert spec.token_ids == runs["plain"].token_ids
     assert all(len(t) == MAX_TOKENS for t in spec.token_ids)
 
@@ -137,7 +141,7 @@ def test_drafts_are_both_accepted_and_rejected(runs) -> None:  # type: ignore[no
 def test_same_tokens_and_counters_as_in_tree(runs, name: str) -> None:  # type: ignore[no-untyped-def]
     ours, in_tree = runs[name], runs[f"in-tree-{name}"]
     assert in_tree.proposer_class == IN_TREE_PROPOSER  # VLLM_PLUGINS=none: the plugin is off
-    assert ours.proposer_class == OUR_PROPOSER
+    assert ours.proposer_class == PLUGIN_PROPOSER
     assert ours.token_ids == in_tree.token_ids
     assert ours.spec_metrics == in_tree.spec_metrics
 

@@ -24,9 +24,9 @@ import gemma4_spec.compat as compat
 from gemma4_spec import plugin
 from gemma4_spec.compat import SUPPORTED_VLLM, UnsupportedVLLMVersionError, check_vllm_version
 from gemma4_spec.patch import hooks, patch_engine_args, patch_gpu_model_runner
+from gemma4_spec.testing.engine_run import PLUGIN_PROPOSER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-OUR_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
 
 
 @pytest.fixture
@@ -129,7 +129,7 @@ def test_register_defers_the_runner_patch_to_its_import() -> None:
         "cls = runner.Gemma4Proposer\n"
         "print('RESULT:' + json.dumps([imported, f'{cls.__module__}.{cls.__qualname__}']))\n"
     )
-    assert result == [False, OUR_PROPOSER]
+    assert result == [False, PLUGIN_PROPOSER]
 
 
 def test_entry_point_is_declared() -> None:

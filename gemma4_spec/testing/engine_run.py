@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 SPEC_PREFIX = "vllm:spec_decode_"
+# Values of RunResult.proposer_class: this plugin's proposer, and vLLM's own.
+PLUGIN_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
+IN_TREE_PROPOSER = "vllm.v1.spec_decode.gemma4.Gemma4Proposer"
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class RunConfig:
     max_model_len: int = 512
     # Small values force chunked prefill of long prompts; None keeps vLLM's default.
     max_num_batched_tokens: int | None = None
+    # Further ``vllm.LLM`` keyword arguments (JSON-serialisable), applied last.
+    extra_engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -82,6 +87,7 @@ def engine_kwargs(config: RunConfig, *, single_process: bool = False) -> dict[st
             "model": config.assistant,
             "num_speculative_tokens": config.num_speculative_tokens,
         }
+    kwargs.update(config.extra_engine_kwargs)
     return kwargs
 
 

@@ -21,21 +21,27 @@ from typing import Any, Literal, TypeVar
 import torch
 from safetensors import safe_open
 from transformers import (
+    AutoConfig,
     Gemma4AssistantConfig,
     Gemma4AssistantForCausalLM,
+    Gemma4Config,
     Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
     Gemma4TextConfig,
+    Gemma4VisionConfig,
     PreTrainedConfig,
     PreTrainedModel,
 )
 
 __all__ = [
     "AssistantStyle",
+    "E2B_LIKE_LAYER_TYPES",
     "FULL",
     "HFDraftStep",
     "INIT_STD",
     "SLIDING",
     "build_tiny_assistant",
+    "build_tiny_e2b_like_target",
     "build_tiny_pair",
     "build_tiny_target",
     "default_layer_types",
@@ -55,6 +61,25 @@ NUM_KV_HEADS = 2
 HEAD_DIM = 32
 GLOBAL_HEAD_DIM = 64
 SLIDING_WINDOW = 16
+
+# E2B-like target: per-layer input embeddings (PLE), 2 KV-shared last layers with double-wide MLPs.
+E2B_LIKE_LAYER_TYPES = (SLIDING, SLIDING, SLIDING, FULL, SLIDING, FULL)
+E2B_LIKE_KV_SHARED_LAYERS = 2
+E2B_LIKE_PER_LAYER_INPUT = 16
+# Gain of the post_per_layer_input_norm of each layer. At 1 (a norm's default) every layer adds a
+# unit-RMS per-layer-input term to the residual stream, which drowns the input token's pull: greedy
+# runs then repeat a token in only ~2% of steps (~6% without per-layer inputs; measured over seeds,
+# 48 greedy tokens), so a "copy" assistant sees almost no accepted drafts. 0.3 restores ~6%.
+_E2B_LIKE_PER_LAYER_GAIN = 0.3
+# Its tiny vision tower (never run: text-only prompts). pooling 3 x patch 4 = 12-pixel units;
+# default_output_length is the soft-token budget per image that vLLM's Gemma 4 reads from it.
+VISION_HIDDEN = 32
+VISION_INTERMEDIATE = 64
+VISION_HEADS = 2
+VISION_HEAD_DIM = 16
+VISION_PATCH = 4
+VISION_POSITIONS = 64
+VISION_SOFT_TOKENS = 16
 
 ASSISTANT_HIDDEN = 64
 ASSISTANT_INTERMEDIATE = 128
@@ -139,7 +164,12 @@ def _read_tensor(path: Path, key: str) -> torch.Tensor:
 
 
 def _target_config(
-    num_hidden_layers: int, layer_types: Sequence[str] | None, num_kv_shared_layers: int
+    num_hidden_layers: int,
+    layer_types: Sequence[str] | None,
+    num_kv_shared_layers: int,
+    *,
+    hidden_size_per_layer_input: int = 0,
+    use_double_wide_mlp: bool = False,
 ) -> Gemma4TextConfig:
     types = list(layer_types) if layer_types is not None else default_layer_types(num_hidden_layers)
     if len(types) != num_hidden_layers:
@@ -161,11 +191,12 @@ def _target_config(
         num_key_value_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
         global_head_dim=GLOBAL_HEAD_DIM,
-        hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=0,
+        hidden_size_per_layer_input=hidden_size_per_layer_input,
+        vocab_size_per_layer_input=VOCAB_SIZE if hidden_size_per_layer_input else 0,
         sliding_window=SLIDING_WINDOW,
         layer_types=types,
         num_kv_shared_layers=num_kv_shared_layers,
+        use_double_wide_mlp=use_double_wide_mlp,
         initializer_range=INIT_STD,
     )
 
@@ -189,6 +220,90 @@ def build_tiny_target(
     model = _construct(Gemma4ForCausalLM, config)
     _fill_random(model, _generator(seed, _TARGET_SALT), INIT_STD)
     return _save(model, Path(path), dtype)
+
+
+def _vision_config() -> Gemma4VisionConfig:
+    return Gemma4VisionConfig(
+        hidden_size=VISION_HIDDEN,
+        intermediate_size=VISION_INTERMEDIATE,
+        num_hidden_layers=1,
+        num_attention_heads=VISION_HEADS,
+        num_key_value_heads=VISION_HEADS,
+        head_dim=VISION_HEAD_DIM,
+        patch_size=VISION_PATCH,
+        position_embedding_size=VISION_POSITIONS,
+        default_output_length=VISION_SOFT_TOKENS,
+        initializer_range=INIT_STD,
+    )
+
+
+def build_tiny_e2b_like_target(
+    path: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    multimodal: bool = True,
+) -> Path:
+    """Write a random tiny target shaped like Gemma 4 E2B/E4B (e.g. google/gemma-4-E2B-it).
+
+    Widths, heads, vocab and sliding window are the default tiny target's; on top it has what real
+    E2B/E4B text models have: per-layer input embeddings (``hidden_size_per_layer_input`` 16 over
+    the whole vocab), 6 layers [s, s, s, f, s, f] whose last 2 reuse the KV of layers 2 and 3
+    (``num_kv_shared_layers`` 2), and double-wide MLPs on those KV-shared layers. With
+    ``multimodal`` (the real checkpoints' layout) it is a ``gemma4`` config and a
+    ``Gemma4ForConditionalGeneration`` with a 1-layer vision tower and no audio tower, its text
+    weights under ``model.language_model.``; otherwise a ``gemma4_text`` ``Gemma4ForCausalLM``.
+    Equal seeds give equal text weights in both layouts.
+    """
+    text_config = _target_config(
+        len(E2B_LIKE_LAYER_TYPES),
+        E2B_LIKE_LAYER_TYPES,
+        E2B_LIKE_KV_SHARED_LAYERS,
+        hidden_size_per_layer_input=E2B_LIKE_PER_LAYER_INPUT,
+        use_double_wide_mlp=True,
+    )
+    gen = _generator(seed, _TARGET_SALT)
+    model: PreTrainedModel
+    if multimodal:
+        config = Gemma4Config(
+            text_config=text_config,
+            vision_config=_vision_config(),
+            audio_config=None,
+            initializer_range=INIT_STD,
+        )
+        wrapper = _construct(Gemma4ForConditionalGeneration, config)
+        text_model = wrapper.model.language_model
+        # Text weights first, from the same stream as the text-only layout; then the vision side.
+        for part in (text_model, wrapper.model.vision_tower, wrapper.model.embed_vision):
+            _fill_random(part, gen, INIT_STD)
+        model = wrapper
+    else:
+        causal_lm = _construct(Gemma4ForCausalLM, text_config)
+        text_model = causal_lm.model
+        _fill_random(causal_lm, gen, INIT_STD)
+        model = causal_lm
+    with torch.no_grad():
+        for layer in text_model.layers:
+            layer.post_per_layer_input_norm.weight.fill_(_E2B_LIKE_PER_LAYER_GAIN)
+    return _save(model, Path(path), dtype)
+
+
+def _target_text_config(target_dir: Path) -> Gemma4TextConfig:
+    """The text config of a target checkpoint: its own, or ``text_config`` of a ``gemma4`` one."""
+    config = AutoConfig.from_pretrained(target_dir).get_text_config()
+    if not isinstance(config, Gemma4TextConfig):
+        raise ValueError(f"{target_dir} is not a Gemma 4 target ({type(config).__name__})")
+    return config
+
+
+def _target_embed(target_dir: Path) -> torch.Tensor:
+    """The target's token embedding, text-only (``model.``) or multimodal layout."""
+    for key in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+        try:
+            return _read_tensor(target_dir, key)
+        except KeyError:
+            continue
+    raise KeyError(f"no token embedding found in {target_dir}")
 
 
 def _assistant_config(target: Gemma4TextConfig, centroids: bool) -> Gemma4AssistantConfig:
@@ -320,13 +435,13 @@ def build_tiny_assistant(
     ``_make_copy``), ``style="random"`` is plain random weights.
     """
     target_dir = Path(target_path)
-    target = Gemma4TextConfig.from_pretrained(target_dir)
+    target = _target_text_config(target_dir)
     config = _assistant_config(target, centroids)
     model = _construct(Gemma4AssistantForCausalLM, config)
     gen = _generator(seed, _ASSISTANT_SALT)
     _fill_random(model, gen, INIT_STD)
     if style == "copy":
-        target_embed = _read_tensor(target_dir, "model.embed_tokens.weight")
+        target_embed = _target_embed(target_dir)
         _make_copy(model, target_embed, gen, centroids)
     elif style != "random":
         raise ValueError(f"unknown assistant style {style!r}")
