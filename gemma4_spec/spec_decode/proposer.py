@@ -13,20 +13,27 @@ What differs from vLLM's generic draft-model flow (``SpecDecodeBaseProposer``):
   embedding when the widths differ: vllm#47794).
 * Greedy drafting goes through the model's ``get_top_tokens`` (centroid-masked argmax without a
   full-vocabulary tensor when the assistant uses centroids).
+* ``propose`` runs every draft step on one query per request. The base class first runs the
+  draft over every token the target just processed (the whole prompt after a prefill, all k + 1
+  verified tokens after a decode step) to fill a draft KV cache; the assistant has none, so only
+  the last accepted token of each request matters. Every step is then the same shape: B tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from copy import copy
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig, get_layers_from_vllm_config, replace
 from vllm.distributed.parallel_state import get_pp_group
+from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, UniformTypeKVCacheSpecs
+from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm.v1.worker.utils import AttentionGroup
 
@@ -49,6 +56,127 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
 
     def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.get_top_tokens(hidden_states)
+
+    def propose(
+        self,
+        num_speculative_tokens: int,
+        target_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        next_token_ids: torch.Tensor,
+        token_indices_to_sample: torch.Tensor | None,
+        common_attn_metadata: CommonAttentionMetadata,
+        sampling_metadata: SamplingMetadata,
+        mm_embed_inputs: object = None,
+        num_rejected_tokens_gpu: torch.Tensor | None = None,
+        slot_mappings: object = None,
+    ) -> torch.Tensor:
+        """Draft ``num_speculative_tokens`` tokens per request: ``[B, k]``.
+
+        Step 1 feeds (the target's new token, its hidden state at the last accepted position
+        p); each further step feeds the previous draft token and the assistant's own projected
+        hidden state. All steps query at position p over the target's cache up to p."""
+        self.num_speculative_tokens = num_speculative_tokens
+        self._last_draft_probs = None
+        batch_size = common_attn_metadata.batch_size()
+        if num_speculative_tokens == 0:
+            return torch.empty(batch_size, 0, dtype=torch.int64, device=self.device)
+        if token_indices_to_sample is None:
+            token_indices_to_sample = common_attn_metadata.query_start_loc[1:] - 1
+        if target_positions.dim() == 2:  # M-RoPE target: text positions are all rows alike
+            target_positions = target_positions[0]
+
+        self.input_ids[:batch_size] = next_token_ids
+        self.positions[:batch_size] = target_positions[token_indices_to_sample]
+        self.hidden_states[:batch_size] = target_hidden_states[token_indices_to_sample]
+        metadata = self._one_query_per_request(
+            common_attn_metadata, token_indices_to_sample, num_rejected_tokens_gpu
+        )
+        _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(metadata)
+        mode, num_input_tokens, tokens_across_dp = self._determine_batch_execution_and_padding(
+            batch_size
+        )
+
+        draft_tokens: list[torch.Tensor] = []
+        draft_probs: list[torch.Tensor] = []
+        for step in range(num_speculative_tokens):
+            with set_forward_context(
+                per_layer_metadata,
+                self.vllm_config,
+                num_tokens=num_input_tokens,
+                num_tokens_across_dp=tokens_across_dp,
+                cudagraph_runtime_mode=mode,
+                slot_mapping=self._get_slot_mapping(num_input_tokens, metadata.slot_mapping),
+            ):
+                draft_hidden, next_hidden = self.model(
+                    input_ids=self.input_ids[:num_input_tokens],
+                    positions=self.positions[:num_input_tokens],
+                    hidden_states=self.hidden_states[:num_input_tokens],
+                )
+            tokens, probs = self._sample_draft_tokens(draft_hidden[:batch_size], sampling_metadata)
+            draft_tokens.append(tokens)
+            if probs is not None:
+                draft_probs.append(probs)
+            if step + 1 < num_speculative_tokens:
+                self.input_ids[:batch_size] = tokens
+                self.hidden_states[:batch_size] = next_hidden[:batch_size]
+
+        if draft_probs:
+            self._last_draft_probs = torch.stack(draft_probs, dim=1).contiguous()
+        return torch.stack(draft_tokens, dim=1)
+
+    def _one_query_per_request(
+        self,
+        metadata: CommonAttentionMetadata,
+        token_indices: torch.Tensor,
+        num_rejected_tokens: torch.Tensor | None,
+    ) -> CommonAttentionMetadata:
+        """The target step's metadata reduced to one query token per request, at its last
+        accepted position: the request's keys end there (rejected tokens' K/V, still in the
+        cache, are cut off from ``seq_lens``)."""
+        batch_size = metadata.batch_size()
+        seq_lens = metadata.seq_lens
+        if num_rejected_tokens is not None:
+            seq_lens = seq_lens - num_rejected_tokens
+        return dataclasses.replace(
+            metadata,
+            query_start_loc=self.arange[: batch_size + 1],
+            query_start_loc_cpu=torch.from_numpy(self.token_arange_np[: batch_size + 1]).clone(),
+            seq_lens=seq_lens,
+            num_actual_tokens=batch_size,
+            max_query_len=1,
+            slot_mapping=metadata.slot_mapping[token_indices],
+            positions=None if metadata.positions is None else self.positions[:batch_size],
+        )
+
+    @torch.inference_mode()
+    def dummy_run(
+        self,
+        num_tokens: int,
+        use_cudagraphs: bool = True,
+        is_graph_capturing: bool = False,
+        slot_mappings: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """Mirror ``propose`` (one batch-shape decision, then the draft steps) so idle
+        data-parallel ranks make the same collective calls as busy ones."""
+        mode, num_input_tokens, tokens_across_dp = self._determine_batch_execution_and_padding(
+            num_tokens, use_cudagraphs=use_cudagraphs
+        )
+        steps = 1 if is_graph_capturing else self.num_speculative_tokens
+        for _ in range(steps):
+            with set_forward_context(
+                None,
+                self.vllm_config,
+                num_tokens=num_input_tokens,
+                num_tokens_across_dp=tokens_across_dp,
+                cudagraph_runtime_mode=mode,
+                slot_mapping=self._get_slot_mapping(num_input_tokens),
+            ):
+                self.model(
+                    input_ids=self.input_ids[:num_input_tokens],
+                    positions=self.positions[:num_input_tokens],
+                    hidden_states=self.hidden_states[:num_input_tokens],
+                )
 
     def build_per_group_and_layer_attn_metadata(
         self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0
