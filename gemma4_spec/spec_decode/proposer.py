@@ -3,7 +3,7 @@
 What differs from vLLM's generic draft-model flow (``SpecDecodeBaseProposer``):
 
 * The assistant reads the target's K/V and writes none, so every draft step of a request uses
-  the same position (``constant_draft_positions``) and the same attention metadata.
+  the same position and the same attention metadata.
 * Gemma 4 keeps sliding-window and full-attention layers in different KV cache groups (with
   different head sizes and block tables). Each draft layer belongs to the group of the target
   layer it reads, so metadata is built per group, each with its own block table.
@@ -43,16 +43,12 @@ logger = init_logger(__name__)
 class Gemma4Proposer(SpecDecodeBaseProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None) -> None:
         super().__init__(vllm_config, device, pass_hidden_states_to_model=True, runner=runner)
-        self.constant_draft_positions = True
         # KV cache group id -> that group's block table for the current step (set by the runner).
         self._block_tables: dict[int, torch.Tensor] = {}
 
     # The runner hands over each KV cache group's block table before proposing.
     def set_per_group_block_table(self, gid: int, block_table: torch.Tensor) -> None:
         self._block_tables[gid] = block_table
-
-    def model_returns_tuple(self) -> bool:
-        return True  # (draft-width hidden for logits, backbone-width hidden for the next step)
 
     def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.get_top_tokens(hidden_states)
