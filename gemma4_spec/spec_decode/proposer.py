@@ -26,7 +26,7 @@ from copy import copy
 
 import torch
 from torch import nn
-from vllm.config import VllmConfig, get_layers_from_vllm_config, replace
+from vllm.config import CUDAGraphMode, VllmConfig, get_layers_from_vllm_config, replace
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
@@ -95,20 +95,11 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
 
         draft_tokens: list[torch.Tensor] = []
         draft_probs: list[torch.Tensor] = []
+        slot_mapping = self._get_slot_mapping(num_input_tokens, metadata.slot_mapping)
         for step in range(num_speculative_tokens):
-            with set_forward_context(
-                per_layer_metadata,
-                self.vllm_config,
-                num_tokens=num_input_tokens,
-                num_tokens_across_dp=tokens_across_dp,
-                cudagraph_runtime_mode=mode,
-                slot_mapping=self._get_slot_mapping(num_input_tokens, metadata.slot_mapping),
-            ):
-                draft_hidden, next_hidden = self.model(
-                    input_ids=self.input_ids[:num_input_tokens],
-                    positions=self.positions[:num_input_tokens],
-                    hidden_states=self.hidden_states[:num_input_tokens],
-                )
+            draft_hidden, next_hidden = self._draft_step(
+                per_layer_metadata, num_input_tokens, tokens_across_dp, mode, slot_mapping
+            )
             tokens, probs = self._sample_draft_tokens(draft_hidden[:batch_size], sampling_metadata)
             draft_tokens.append(tokens)
             if probs is not None:
@@ -159,20 +150,33 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
             num_tokens, use_cudagraphs=use_cudagraphs
         )
         steps = 1 if is_graph_capturing else self.num_speculative_tokens
+        slot_mapping = self._get_slot_mapping(num_input_tokens)
         for _ in range(steps):
-            with set_forward_context(
-                None,
-                self.vllm_config,
-                num_tokens=num_input_tokens,
-                num_tokens_across_dp=tokens_across_dp,
-                cudagraph_runtime_mode=mode,
-                slot_mapping=self._get_slot_mapping(num_input_tokens),
-            ):
-                self.model(
-                    input_ids=self.input_ids[:num_input_tokens],
-                    positions=self.positions[:num_input_tokens],
-                    hidden_states=self.hidden_states[:num_input_tokens],
-                )
+            self._draft_step(None, num_input_tokens, tokens_across_dp, mode, slot_mapping)
+
+    def _draft_step(
+        self,
+        per_layer_metadata: dict[str, object] | None,
+        num_input_tokens: int,
+        tokens_across_dp: torch.Tensor | None,
+        mode: CUDAGraphMode,
+        slot_mapping: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One assistant forward over the first ``num_input_tokens`` rows of the input buffers:
+        (draft-width hidden for the logits, backbone-width hidden for the next step)."""
+        with set_forward_context(
+            per_layer_metadata,
+            self.vllm_config,
+            num_tokens=num_input_tokens,
+            num_tokens_across_dp=tokens_across_dp,
+            cudagraph_runtime_mode=mode,
+            slot_mapping=slot_mapping,
+        ):
+            return self.model(
+                input_ids=self.input_ids[:num_input_tokens],
+                positions=self.positions[:num_input_tokens],
+                hidden_states=self.hidden_states[:num_input_tokens],
+            )
 
     def build_per_group_and_layer_attn_metadata(
         self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0
