@@ -42,9 +42,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
 from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax, masked_logits
-from gemma4_spec.validation import kv_source_layers, layer_attention_shape
-
-SLIDING = "sliding_attention"
+from gemma4_spec.validation import SLIDING_ATTENTION, kv_source_layers, layer_attention_shape
 
 # (checkpoint name fragment, our parameter fragment, shard id) for stacked parameters.
 STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
@@ -76,6 +74,7 @@ class QOnlyAttention(nn.Module):
         self.num_heads = config.num_attention_heads // tp_size
         self.head_dim = head_dim
         layer_type = config.layer_types[layer_idx]
+        sliding_window = config.sliding_window if layer_type == SLIDING_ATTENTION else None
 
         self.q_proj = ColumnParallelLinear(
             config.hidden_size,
@@ -103,7 +102,7 @@ class QOnlyAttention(nn.Module):
             num_kv_heads=max(1, num_kv_heads // tp_size),
             cache_config=cache_config,
             logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
-            per_layer_sliding_window=config.sliding_window if layer_type == SLIDING else None,
+            per_layer_sliding_window=sliding_window,
             kv_sharing_target_layer_name=kv_source,
             prefix=f"{prefix}.attn",
         )

@@ -16,7 +16,6 @@ from types import ModuleType
 from typing import Any
 
 ARG_UTILS_MODULE = "vllm.engine.arg_utils"
-GEMMA4_MODEL_TYPES = ("gemma4_assistant", "gemma4_mtp")
 
 
 def apply(arg_utils: ModuleType) -> None:
@@ -43,7 +42,9 @@ def apply(arg_utils: ModuleType) -> None:
             return None
         draft = spec_config.draft_model_config
         draft_type = getattr(getattr(draft, "hf_config", None), "model_type", None)
-        if requested or draft_type in GEMMA4_MODEL_TYPES:
+        from gemma4_spec.validation import ASSISTANT_MODEL_TYPES
+
+        if requested or draft_type in ASSISTANT_MODEL_TYPES:
             from gemma4_spec.checks import check_gemma4_mtp_request
 
             check_gemma4_mtp_request(spec_config)

@@ -33,6 +33,9 @@ from transformers import (
     PreTrainedModel,
 )
 
+from gemma4_spec.validation import FULL_ATTENTION as FULL
+from gemma4_spec.validation import SLIDING_ATTENTION as SLIDING
+
 __all__ = [
     "AssistantStyle",
     "E2B_LIKE_LAYER_TYPES",
@@ -48,8 +51,6 @@ __all__ = [
     "hf_draft_step",
 ]
 
-SLIDING = "sliding_attention"
-FULL = "full_attention"
 AssistantStyle = Literal["random", "copy"]
 _Model = TypeVar("_Model", bound=PreTrainedModel)
 
