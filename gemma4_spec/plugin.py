@@ -8,13 +8,12 @@ in-tree gemma4_mtp is used, so the two can be compared side by side.
 
 from __future__ import annotations
 
-import logging
-
 from gemma4_spec.compat import SUPPORTED_VLLM, installed_vllm_version, vllm_is_supported
-from gemma4_spec.patch import patch_engine_args, patch_gpu_model_runner
+from gemma4_spec.log import get_logger
+from gemma4_spec.patch import patch_engine_args, patch_gpu_model_runner, patch_vllm_config
 from gemma4_spec.patch.hooks import when_imported
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 # vLLM's architecture name for gemma4_assistant checkpoints (set by its SpeculativeConfig).
 ASSISTANT_ARCHITECTURE = "Gemma4MTPModel"
@@ -43,3 +42,4 @@ def register() -> None:
 
     ModelRegistry.register_model(ASSISTANT_ARCHITECTURE, MODEL_CLASS)
     when_imported(patch_gpu_model_runner.RUNNER_MODULE, patch_gpu_model_runner.apply)
+    when_imported(patch_vllm_config.CONFIG_MODULE, patch_vllm_config.apply)

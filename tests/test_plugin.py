@@ -23,7 +23,7 @@ from packaging.version import Version
 import gemma4_spec.compat as compat
 from gemma4_spec import plugin
 from gemma4_spec.compat import SUPPORTED_VLLM, UnsupportedVLLMVersionError, check_vllm_version
-from gemma4_spec.patch import hooks, patch_engine_args, patch_gpu_model_runner
+from gemma4_spec.patch import hooks, patch_engine_args, patch_gpu_model_runner, patch_vllm_config
 from gemma4_spec.testing.engine_run import PLUGIN_PROPOSER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -90,10 +90,12 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
     assert [name for name, _ in fresh_plugin["when_imported"]] == [
         patch_engine_args.ARG_UTILS_MODULE,
         patch_gpu_model_runner.RUNNER_MODULE,
+        patch_vllm_config.CONFIG_MODULE,
     ]
     assert [cb for _, cb in fresh_plugin["when_imported"]] == [
         patch_engine_args.apply,
         patch_gpu_model_runner.apply,
+        patch_vllm_config.apply,
     ]
     entry = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
     assert f"{entry.module_name}:{entry.class_name}" == plugin.MODEL_CLASS
@@ -108,7 +110,9 @@ def test_register_on_unsupported_vllm_only_installs_the_check(
 
     before = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
     monkeypatch.setattr(plugin, "vllm_is_supported", lambda: False)
-    with caplog.at_level("WARNING", logger=plugin.__name__):
+    # Our loggers live under vLLM's "vllm" logger, which does not propagate to pytest's handler.
+    monkeypatch.setattr(plugin.logger, "handlers", [caplog.handler])
+    with caplog.at_level("WARNING", logger=plugin.logger.name):
         plugin.register()
 
     assert fresh_plugin["register_model"] == []
@@ -142,7 +146,7 @@ def test_entry_point_is_declared() -> None:
 # --- supported vLLM versions -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("found", ["0.20.0", "0.40.0", "0.34.0", "0.31.9"])
+@pytest.mark.parametrize("found", ["0.20.0", "0.40.0", "0.34.0", "0.25.9"])
 def test_unsupported_vllm_version(found: str) -> None:
     with pytest.raises(UnsupportedVLLMVersionError) as info:
         check_vllm_version(Version(found))
@@ -152,7 +156,9 @@ def test_unsupported_vllm_version(found: str) -> None:
     assert "pip install" in message and "VLLM_PLUGINS" in message
 
 
-@pytest.mark.parametrize("found", ["0.32.0", "0.33.1", "0.32.0+cpu", "0.33.0.post1"])
+@pytest.mark.parametrize(
+    "found", ["0.26.0", "0.29.1", "0.32.0", "0.33.1", "0.32.0+cpu", "0.33.0.post1"]
+)
 def test_supported_vllm_version(found: str) -> None:
     check_vllm_version(Version(found))
     assert compat.vllm_is_supported(Version(found))
@@ -223,3 +229,78 @@ def test_pipeline_parallelism_is_rejected_before_loading() -> None:
     )
     with pytest.raises(UnsupportedConfigurationError, match="pipeline_parallel_size=2"):
         check_gemma4_mtp_request(spec_config)
+
+
+# --- model runner selection ------------------------------------------------------------------
+
+
+class _FakeConfig:
+    """Stands in for VllmConfig: like vLLM's, its choice is the environment variable when set."""
+
+    def __init__(self, method: str | None, default: bool) -> None:
+        self.speculative_config = None if method is None else type("S", (), {"method": method})()
+        self._default = default
+
+    @property
+    def use_v2_model_runner(self) -> bool:
+        explicit = patch_vllm_config.explicit_runner_choice()
+        return self._default if explicit is None else explicit
+
+
+def _patched_config_module() -> ModuleType:
+    module = ModuleType("fake_vllm_config")
+    own = {"use_v2_model_runner": _FakeConfig.__dict__["use_v2_model_runner"]}
+    module.VllmConfig = type("VllmConfig", (_FakeConfig,), own)  # type: ignore[attr-defined]
+    patch_vllm_config.apply(module)
+    once = module.VllmConfig.__dict__["use_v2_model_runner"]
+    patch_vllm_config.apply(module)  # idempotent: a second apply must not wrap the wrapper
+    assert module.VllmConfig.__dict__["use_v2_model_runner"] is once
+    return module
+
+
+@pytest.mark.parametrize(
+    ("method", "env", "default", "expected"),
+    [
+        ("gemma4_mtp", None, True, False),  # the case the patch exists for: V2 default -> V1
+        ("gemma4_mtp", "0", True, False),
+        ("eagle", None, True, True),  # other methods keep vLLM's choice
+        (None, None, True, True),
+        (None, None, False, False),
+        ("gemma4_mtp", "1", False, True),  # explicit choice stands (the checks reject it)
+    ],
+)
+def test_gemma4_mtp_selects_the_v1_runner(
+    monkeypatch: pytest.MonkeyPatch,
+    method: str | None,
+    env: str | None,
+    default: bool,
+    expected: bool,
+) -> None:
+    if env is None:
+        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    module = _patched_config_module()
+    assert module.VllmConfig(method, default).use_v2_model_runner is expected
+
+
+def test_real_vllm_config_is_patched_in_engine_processes() -> None:
+    result = run_python(
+        "import json\n"
+        "from gemma4_spec.plugin import register\n"
+        "register()\n"
+        "from vllm.config.vllm import VllmConfig\n"
+        "fget = VllmConfig.__dict__['use_v2_model_runner'].fget\n"
+        "print('RESULT:' + json.dumps(getattr(fget, '_gemma4_spec_v1', False)))\n"
+    )
+    assert result is True
+
+
+def test_explicit_v2_runner_is_rejected_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gemma4_spec.checks import UnsupportedConfigurationError, check_model_runner
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(UnsupportedConfigurationError, match="VLLM_USE_V2_MODEL_RUNNER"):
+        check_model_runner()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    check_model_runner()

@@ -3,7 +3,7 @@
 Replaces: ``vllm.v1.worker.gpu_model_runner.Gemma4Proposer``, the name the runner instantiates
 for the gemma4_mtp method and checks with ``isinstance`` (per-group block tables, metadata).
 Rebinding that one module global swaps the class everywhere the runner uses it.
-vLLM versions: 0.32, 0.33.
+vLLM versions: 0.26 - 0.33 (the name and its uses are the same in all of them).
 """
 
 from __future__ import annotations

@@ -29,7 +29,6 @@ from torch import nn
 from vllm.config import CUDAGraphMode, VllmConfig, get_layers_from_vllm_config, replace
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.forward_context import set_forward_context
-from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, UniformTypeKVCacheSpecs
@@ -37,7 +36,10 @@ from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
 from vllm.v1.worker.utils import AttentionGroup
 
-logger = init_logger(__name__)
+from gemma4_spec.compat import build_drafting_metadata
+from gemma4_spec.log import get_logger
+
+logger = get_logger(__name__)
 
 
 class Gemma4Proposer(SpecDecodeBaseProposer):
@@ -191,9 +193,7 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
                 metadata = copy(common_attn_metadata)
                 # The runner's tables may be padded past the drafted batch.
                 metadata.block_table_tensor = table[:batch_size]
-            built = group.build_metadata_for_drafting(
-                common_attn_metadata=metadata, draft_index=draft_index
-            )
+            built = build_drafting_metadata(group, metadata, draft_index)
             per_group.append(built)
             per_layer.update(dict.fromkeys(group.layer_names, built))
         return per_group, per_layer
