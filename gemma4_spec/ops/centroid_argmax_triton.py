@@ -163,26 +163,29 @@ def prepare_fused_centroid_argmax(
     )
 
 
-_STATE_CACHE: dict[tuple, FusedCentroidState] = {}
+# Keyed by the identity and version of the mask's tensors; the entry holds them alive, so an
+# id cannot be reused by another tensor while its entry exists.
+_STATE_CACHE: dict[tuple, tuple[tuple[torch.Tensor, ...], FusedCentroidState]] = {}
 
 
 def _state_for(mask: CentroidMask, vocab: int) -> FusedCentroidState:
-    sup = mask.suppressed
+    sources: tuple[torch.Tensor, ...] = (mask.token_ordering,)
+    if mask.suppressed is not None:
+        sources += (mask.suppressed,)
     key = (
-        mask.token_ordering.data_ptr(),
-        mask.token_ordering._version,
-        str(mask.token_ordering.device),
+        tuple((id(x), x._version) for x in sources),
         vocab,
         mask.centroids_weight.shape[0],
         mask.top_k,
-        None if sup is None else (sup.data_ptr(), sup._version, sup.numel()),
+        str(mask.centroids_weight.device),
     )
-    state = _STATE_CACHE.get(key)
-    if state is None:
-        if len(_STATE_CACHE) > 16:
-            _STATE_CACHE.clear()
-        state = prepare_fused_centroid_argmax(mask, vocab)
-        _STATE_CACHE[key] = state
+    hit = _STATE_CACHE.get(key)
+    if hit is not None:
+        return hit[1]
+    if len(_STATE_CACHE) >= 8:
+        _STATE_CACHE.clear()
+    state = prepare_fused_centroid_argmax(mask, vocab)
+    _STATE_CACHE[key] = (sources, state)
     return state
 
 

@@ -1,0 +1,273 @@
+"""The fused Triton centroid argmax against its float32 torch reference.
+
+On CUDA: both paths forced and the dispatcher, float32 and bfloat16, T from 1 to 256, exact
+ties, suppressed tokens, CUDA-graph capture, a small and the real E2B/E4B configuration.
+On CPU: the same kernel logic at small sizes through Triton's interpreter, in a subprocess
+(``TRITON_INTERPRET=1`` must be set before triton is imported), plus the non-CUDA fallback.
+
+What "equal" means (``_assert_tokens``): the reference computes in float32 from the same
+(e.g. bfloat16) values. The kernels sum in another order, so a token must equal the reference
+token wherever the reference's top-2 logit margin and its top-k / next centroid score margin
+both exceed a small tolerance; elsewhere the chosen token must be an allowed candidate whose
+reference logit is within the tolerance of the maximum.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax
+from gemma4_spec.ops.centroid_argmax_triton import (
+    HAS_TRITON,
+    centroid_argmax_fp32_reference,
+    centroid_argmax_fused,
+    masked_logits_fp32_reference,
+    select_centroids_reference,
+)
+
+PATHS = ("gather", "dense", "auto")
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_TRITON),
+    reason="needs a CUDA GPU and triton (the CPU side runs in test_kernels_under_interpreter)",
+)
+
+SMALL = {"vocab": 4096, "centroids": 64, "top_k": 8, "d": 64}
+REAL = {"vocab": 262144, "centroids": 2048, "top_k": 32, "d": 256}  # E2B / E4B assistants
+TINY = {"vocab": 512, "centroids": 32, "top_k": 4, "d": 16}  # for the interpreter
+
+
+def _make(
+    vocab: int,
+    centroids: int,
+    top_k: int,
+    d: int,
+    dtype: torch.dtype,
+    device: str,
+    seed: int = 0,
+    suppressed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, CentroidMask]:
+    gen = torch.Generator().manual_seed(seed)
+    lm_head = torch.randn(vocab, d, generator=gen).to(device, dtype)
+    centroid_w = torch.randn(centroids, d, generator=gen).to(device, dtype)
+    ordering = torch.randperm(vocab, generator=gen).to(device)
+    return lm_head, CentroidMask(centroid_w, ordering, top_k, suppressed)
+
+
+def _hidden(num_tokens: int, d: int, dtype: torch.dtype, device: str, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(num_tokens, d, generator=gen).to(device, dtype)
+
+
+def _assert_tokens(
+    got: torch.Tensor,
+    hidden: torch.Tensor,
+    lm_head: torch.Tensor,
+    mask: CentroidMask,
+    tol: float = 1e-4,
+    min_strict: float = 0.8,
+) -> None:
+    assert got.dtype == torch.int64 and got.shape == (hidden.shape[0],)
+    want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
+    logits = masked_logits_fp32_reference(hidden, lm_head, mask)
+    scores = hidden.float() @ mask.centroids_weight.float().t()
+    top = scores.topk(min(mask.top_k + 1, scores.shape[1]), dim=1).values
+    scale = 1.0 + logits.amax(dim=1, keepdim=True).abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    c_margin = (
+        top[:, mask.top_k - 1] - top[:, mask.top_k]
+        if mask.top_k < scores.shape[1]
+        else torch.full_like(top[:, 0], float("inf"))
+    )
+    two = logits.topk(2, dim=1).values
+    l_margin = (two[:, 0] - two[:, 1]).nan_to_num(0.0) / scale[:, 0]
+    strict = (c_margin > tol * (1.0 + top[:, 0].abs())) & (l_margin > tol)
+    # Most rows must be checked exactly, or this helper proves little.
+    assert strict.float().mean().item() >= min_strict, strict.float().mean().item()
+    bad = strict & (got != want)
+    assert not bad.any(), f"rows {bad.nonzero().flatten().tolist()}: {got[bad]} vs {want[bad]}"
+    clear_sel = c_margin > tol * (1.0 + top[:, 0].abs())
+    chosen = logits.gather(1, got[:, None]).squeeze(1)
+    near = clear_sel & ~strict
+    assert torch.isfinite(chosen[near]).all()
+    assert ((logits.amax(dim=1) - chosen)[near] <= tol * scale[near, 0]).all()
+    if mask.has_suppressed():
+        assert mask.suppressed is not None
+        assert not torch.isin(got, mask.suppressed.to(got.device)).any()
+
+
+def _check_random(cfg: dict, dtype: torch.dtype, device: str, num_tokens: int, path: str):
+    lm_head, mask = _make(**cfg, dtype=dtype, device=device, seed=num_tokens)
+    hidden = _hidden(num_tokens, cfg["d"], dtype, device, seed=100 + num_tokens)
+    got = centroid_argmax_fused(mask, hidden, lm_head, path=path)
+    _assert_tokens(got, hidden, lm_head, mask)
+
+
+def _check_ties(cfg: dict, dtype: torch.dtype, device: str, num_tokens: int, path: str):
+    """Exact ties from duplicated lm_head rows: the smallest token id must win."""
+    lm_head, mask = _make(**cfg, dtype=dtype, device=device, seed=7)
+    hidden = _hidden(num_tokens, cfg["d"], dtype, device, seed=8)
+    want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
+    scores = hidden.float() @ mask.centroids_weight.float().t()
+    selected = select_centroids_reference(scores, mask.top_k)[0].nonzero().flatten()
+    cand = mask.token_ordering.view(mask.centroids_weight.shape[0], -1)[selected].flatten()[None]
+    # Row 0: copy the winner's row onto a smaller candidate id (it must now win) and onto a
+    # larger one (it must not); when T > 1, other rows may be affected and are checked too.
+    winner = int(want[0])
+    smaller = cand[0][cand[0] < winner]
+    larger = cand[0][cand[0] > winner]
+    assert smaller.numel() > 0 and larger.numel() > 0
+    lo, hi = int(smaller.min()), int(larger.max())
+    lm_head[lo] = lm_head[winner]
+    lm_head[hi] = lm_head[winner]
+    got = centroid_argmax_fused(mask, hidden, lm_head, path=path)
+    assert int(got[0]) == lo, (int(got[0]), lo, winner, hi)
+    want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
+    assert int(want[0]) == lo
+    _assert_tokens(got, hidden, lm_head, mask, min_strict=0.0)
+
+
+def _check_suppressed(cfg: dict, dtype: torch.dtype, device: str, num_tokens: int, path: str):
+    lm_head, mask = _make(**cfg, dtype=dtype, device=device, seed=11)
+    hidden = _hidden(num_tokens, cfg["d"], dtype, device, seed=12)
+    first = centroid_argmax_fp32_reference(hidden, lm_head, mask)
+    suppressed = first.unique()
+    mask = CentroidMask(mask.centroids_weight, mask.token_ordering, mask.top_k, suppressed)
+    got = centroid_argmax_fused(mask, hidden, lm_head, path=path)
+    assert not torch.isin(got, suppressed).any()
+    _assert_tokens(got, hidden, lm_head, mask)
+
+
+def _check_all_suppressed(cfg: dict, dtype: torch.dtype, device: str, path: str) -> None:
+    """A token whose every candidate is suppressed gets id 0, like argmax of all -inf."""
+    lm_head, mask = _make(**cfg, dtype=dtype, device=device, seed=13)
+    hidden = _hidden(2, cfg["d"], dtype, device, seed=14)
+    scores = hidden[:1].float() @ mask.centroids_weight.float().t()
+    chosen = select_centroids_reference(scores, mask.top_k)[0].nonzero().flatten()
+    clusters = mask.token_ordering.view(mask.centroids_weight.shape[0], -1)
+    suppressed = clusters[chosen].flatten()
+    mask = CentroidMask(mask.centroids_weight, mask.token_ordering, mask.top_k, suppressed)
+    got = centroid_argmax_fused(mask, hidden, lm_head, path=path)
+    assert int(got[0]) == 0 == int(centroid_argmax_fp32_reference(hidden, lm_head, mask)[0])
+    assert int(got[1]) == int(centroid_argmax_fp32_reference(hidden, lm_head, mask)[1])
+
+
+# ------------------------------------------------------------------------------------- CUDA
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 7, 16, 31, 64, 100, 256])
+def test_small_config_matches_reference(num_tokens: int, dtype: torch.dtype, path: str) -> None:
+    _check_random(SMALL, dtype, "cuda", num_tokens, path)
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64, 256])
+def test_real_dims_match_reference(num_tokens: int, dtype: torch.dtype, path: str) -> None:
+    _check_random(REAL, dtype, "cuda", num_tokens, path)
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", [SMALL, REAL], ids=["small", "real"])
+@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+def test_ties_go_to_smallest_id(num_tokens: int, cfg: dict, dtype: torch.dtype, path: str):
+    _check_ties(cfg, dtype, "cuda", num_tokens, path)
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", [SMALL, REAL], ids=["small", "real"])
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
+def test_suppressed_never_drafted(num_tokens: int, cfg: dict, dtype: torch.dtype, path: str):
+    _check_suppressed(cfg, dtype, "cuda", num_tokens, path)
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["gather", "dense"])
+def test_all_candidates_suppressed_gives_zero(path: str) -> None:
+    _check_all_suppressed(SMALL, torch.float32, "cuda", path)
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+def test_cuda_graph_replay(num_tokens: int, path: str) -> None:
+    lm_head, mask = _make(**REAL, dtype=torch.bfloat16, device="cuda", seed=21)
+    static_h = _hidden(num_tokens, REAL["d"], torch.bfloat16, "cuda", seed=22)
+    centroid_argmax_fused(mask, static_h, lm_head, path=path)  # warm-up: compile + prepare
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        centroid_argmax_fused(mask, static_h, lm_head, path=path)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = centroid_argmax_fused(mask, static_h, lm_head, path=path)
+    for seed in (23, 24, 25):
+        fresh = _hidden(num_tokens, REAL["d"], torch.bfloat16, "cuda", seed=seed)
+        static_h.copy_(fresh)
+        graph.replay()
+        _assert_tokens(static_out.clone(), fresh, lm_head, mask)
+
+
+@needs_cuda
+def test_unprepared_capacity_growth_outside_capture() -> None:
+    # More tokens than the default counter capacity (1024): the state grows, results hold.
+    lm_head, mask = _make(**SMALL, dtype=torch.float32, device="cuda", seed=31)
+    hidden = _hidden(1500, SMALL["d"], torch.float32, "cuda", seed=32)
+    for path in PATHS:
+        _assert_tokens(centroid_argmax_fused(mask, hidden, lm_head, path=path), hidden,
+                       lm_head, mask)  # fmt: skip
+
+
+# -------------------------------------------------------------------------------------- CPU
+
+
+def test_cpu_falls_back_to_torch_path() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("under the interpreter the kernels run on CPU instead")
+    lm_head, mask = _make(**TINY, dtype=torch.float32, device="cpu")
+    hidden = _hidden(5, TINY["d"], torch.float32, "cpu")
+    got = centroid_argmax_fused(mask, hidden, lm_head)
+    assert torch.equal(got, centroid_argmax(hidden, lm_head, mask))
+    _assert_tokens(got, hidden, lm_head, mask)
+
+
+def _interpreter_checks() -> None:
+    """Small-size kernel checks, run on CPU tensors with TRITON_INTERPRET=1."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for path in PATHS:
+            for num_tokens in (1, 3, 5):
+                _check_random(TINY, dtype, "cpu", num_tokens, path)
+            _check_ties(TINY, dtype, "cpu", 2, path)
+            _check_suppressed(TINY, dtype, "cpu", 3, path)
+        _check_all_suppressed(TINY, dtype, "cpu", "gather")
+        _check_all_suppressed(TINY, dtype, "cpu", "dense")
+    # The dispatcher's dense branch, and a block of 16 tokens through tl.dot.
+    _check_random(TINY, torch.float32, "cpu", 17, "dense")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_kernels_under_interpreter() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-c", "import test_centroid_argmax_cuda as t; t._interpreter_checks()"],
+        cwd=Path(__file__).parent,
+        env=dict(env, PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")])),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
