@@ -1,48 +1,93 @@
-"""Greedy draft sampling at real Gemma 4 assistant dimensions: ours vs the torch reference vs
-vLLM's in-tree formula vs a full-vocab argmax, side by side in one run.
+"""Greedy draft sampling at real Gemma 4 assistant dimensions (V=262144, 2048 centroids,
+top-k 32, d=256): the fused Triton kernels (dispatcher and each path) vs the torch sparse path
+vs vLLM's in-tree formula vs a full-vocab argmax, side by side in one run.
 
-    .venv/bin/python benchmarks/centroid_argmax.py [--device cpu|cuda] [--dtype float32|bfloat16]
+    .venv/bin/python benchmarks/centroid_argmax.py [--tokens 1,4,16,64,256] [--reps 200]
+        [--dtype bfloat16] [--json out.json] [--smoke]
 
-Prints median microseconds per call and each method's time as a ratio of ours. On CUDA the
-calls are timed with events after warm-up; the fused GPU kernel comes with the GPU issue, so
-today "ours" is the eager sparse path everywhere.
+On CUDA every variant is captured in a CUDA graph; before each replay a 256 MiB buffer is
+written (cold L2, outside the timed region) and CUDA events time the replay alone; the median
+of ``--reps`` replays is reported. On CPU (no graphs, few reps; ``--smoke`` shrinks the sizes)
+it only checks that everything runs. "bytes" is each variant's minimal traffic model (below),
+"GB/s" that model divided by the median time.
+
+Minimal bytes: gather = centroid weights + T x (top_k x V/C lm_head rows + their int32 ids);
+dense and full-vocab = the whole lm_head (+ int32 centroid ids and int8 flags for dense) +
+centroid weights; in-tree = its floor, the same as gather (it also writes and re-reads the
+gathered rows, which the model does not count).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
-from gemma4_spec.ops.centroid_argmax import (
-    CentroidMask,
-    centroid_argmax,
-    centroid_argmax_reference,
+from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax
+from gemma4_spec.ops.centroid_argmax_triton import (
+    DENSE_MIN_TOKENS,
+    centroid_argmax_fp32_reference,
+    centroid_argmax_fused,
+    triton_usable,
 )
 
-VOCAB, CENTROIDS, TOP_K, HIDDEN = 262144, 2048, 32, 256  # E2B/E4B assistants
+REAL = (262144, 2048, 32, 256)  # vocab, centroids, top_k, hidden: E2B / E4B assistants
+SMOKE = (8192, 64, 8, 64)
 
 
-def in_tree_formula():  # type: ignore[no-untyped-def]
-    """vLLM's own masked embedder (its get_top_tokens), called as-is for comparison."""
-    from vllm.model_executor.models.gemma4_mtp import Gemma4MTPMaskedEmbedder
+def in_tree_formula(vocab: int, centroids: int, top_k: int, d: int):  # type: ignore[no-untyped-def]
+    """vLLM's own masked embedder when importable (its get_top_tokens), else None."""
+    try:
+        from vllm.model_executor.models.gemma4_mtp import Gemma4MTPMaskedEmbedder
+    except Exception:
+        return None
+    return Gemma4MTPMaskedEmbedder(d, vocab, centroids, top_k)
 
-    return Gemma4MTPMaskedEmbedder
+
+def in_tree_restated(hidden: torch.Tensor, lm_head: torch.Tensor, mask: CentroidMask):
+    """The in-tree maths in plain torch: centroid matmul, top-k, gather [T, k*V/C, d], bmm,
+    scatter into full-vocab -inf logits, argmax."""
+    chosen = torch.topk(hidden @ mask.centroids_weight.t(), k=mask.top_k, dim=-1).indices
+    ids = mask.token_ordering.view(mask.centroids_weight.shape[0], -1)[chosen].flatten(1)
+    rows = lm_head[ids]  # [T, S, d]
+    scores = torch.bmm(rows, hidden.unsqueeze(-1)).squeeze(-1)
+    logits = hidden.new_full((hidden.shape[0], lm_head.shape[0]), torch.finfo(hidden.dtype).min)
+    logits.scatter_(1, ids, scores)
+    return logits.argmax(dim=-1)
 
 
-def _time(fn, device: torch.device, reps: int) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(3):
+def _time_cuda(fn: Callable[[], torch.Tensor], reps: int, flush: torch.Tensor) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
         fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.add_(1)  # evicts L2; not timed
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) * 1e3
+
+
+def _time_cpu(fn: Callable[[], torch.Tensor], reps: int) -> float:
+    fn()
     samples = []
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples) * 1e6
 
@@ -50,50 +95,101 @@ def _time(fn, device: torch.device, reps: int) -> float:  # type: ignore[no-unty
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--tokens", default="1,4,16,64")
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--tokens", default="1,4,16,64,256")
+    parser.add_argument("--reps", type=int, default=None, help="default 200 on CUDA, 3 on CPU")
+    parser.add_argument("--smoke", action="store_true", help="small sizes (CPU smoke test)")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cuda = device.type == "cuda"
+    reps = args.reps or (200 if cuda else 3)
+    vocab, centroids, top_k, d = SMOKE if args.smoke else REAL
+    tpc, es = vocab // centroids, torch.tensor([], dtype=dtype).element_size()
 
     gen = torch.Generator().manual_seed(0)
-    lm_head = torch.randn(VOCAB, HIDDEN, generator=gen).to(device, dtype)
-    centroid_w = torch.randn(CENTROIDS, HIDDEN, generator=gen).to(device, dtype)
-    ordering = torch.randperm(VOCAB, generator=gen).to(device)
-    mask = CentroidMask(centroid_w, ordering, TOP_K)
+    lm_head = torch.randn(vocab, d, generator=gen).to(device, dtype)
+    centroid_w = torch.randn(centroids, d, generator=gen).to(device, dtype)
+    ordering = torch.randperm(vocab, generator=gen).to(device)
+    mask = CentroidMask(centroid_w, ordering, top_k)
+    flush = torch.zeros(64 * 2**20, dtype=torch.float32, device=device) if cuda else None
 
-    embedder = None
-    try:
-        embedder = in_tree_formula()(HIDDEN, VOCAB, CENTROIDS, TOP_K).to(device, dtype)
+    embedder = in_tree_formula(vocab, centroids, top_k, d)
+    if embedder is not None:
+        embedder = embedder.to(device, dtype)
         embedder.centroids.weight.data.copy_(centroid_w)
         embedder.token_ordering.copy_(ordering)
-    except ImportError:
-        print("(vLLM's in-tree gemma4_mtp not importable: its column is skipped)")
+        print("in-tree: vLLM's Gemma4MTPMaskedEmbedder.get_top_tokens")
+    else:
+        print("in-tree: vLLM not importable, its maths restated in torch (in_tree_restated)")
+    fused = triton_usable(device)
+    if not fused:
+        print("(no Triton on this device: 'ours' falls back to the torch sparse path)")
 
-    print(f"device={device} dtype={args.dtype} V={VOCAB} centroids={CENTROIDS} top_k={TOP_K}")
-    print(f"{'T':>4} {'ours us':>10} {'reference':>12} {'in-tree':>12} {'full-vocab':>12}")
+    head_bytes = vocab * d * es + centroids * d * es
+
+    def gather_bytes(t: int) -> int:
+        return centroids * d * es + t * (top_k * tpc * (d * es + 4) + d * es)
+
+    dense_bytes = head_bytes + vocab * 5
+    print(
+        f"device={device} dtype={args.dtype} V={vocab} C={centroids} top_k={top_k} d={d} "
+        f"reps={reps} dense_min_tokens={DENSE_MIN_TOKENS}"
+    )
+    print(f"{'T':>4} {'variant':<14} {'median us':>10} {'MB':>8} {'GB/s':>8} {'ok':>4}")
+    rows = []
     for t in (int(x) for x in args.tokens.split(",")):
-        hidden = torch.randn(t, HIDDEN, generator=gen).to(device, dtype)
-        ours = _time(
-            lambda h=hidden: centroid_argmax(h, lm_head, mask),
-            device,
-            args.reps,
-        )
-        ref = _time(
-            lambda h=hidden: centroid_argmax_reference(h, lm_head, mask),
-            device,
-            max(3, args.reps // 4),
-        )
-        tree = (
-            _time(lambda h=hidden: embedder.get_top_tokens(h, lm_head), device, args.reps)
-            if embedder is not None
-            else float("nan")
-        )
-        full = _time(lambda h=hidden: (h @ lm_head.t()).argmax(-1), device, args.reps)
-        print(
-            f"{t:>4} {ours:>10.1f} {ref / ours:>11.2f}x {tree / ours:>11.2f}x {full / ours:>11.2f}x"
-        )
-    print("ratios are each method's median time / ours (> 1: ours is faster)")
+        hidden = torch.randn(t, d, generator=gen).to(device, dtype)
+        want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
+        auto_bytes = dense_bytes if t >= DENSE_MIN_TOKENS else gather_bytes(t)
+        variants: list[tuple[str, Callable[[], torch.Tensor], int]] = [
+            ("ours-auto", lambda h=hidden: centroid_argmax_fused(mask, h, lm_head), auto_bytes),
+            (
+                "ours-gather",
+                lambda h=hidden: centroid_argmax_fused(mask, h, lm_head, path="gather"),
+                gather_bytes(t),
+            ),
+            (
+                "ours-dense",
+                lambda h=hidden: centroid_argmax_fused(mask, h, lm_head, path="dense"),
+                dense_bytes,
+            ),
+            ("torch-sparse", lambda h=hidden: centroid_argmax(h, lm_head, mask), gather_bytes(t)),
+            (
+                "in-tree",
+                (lambda h=hidden: embedder.get_top_tokens(h, lm_head))
+                if embedder is not None
+                else (lambda h=hidden: in_tree_restated(h, lm_head, mask)),
+                gather_bytes(t),
+            ),
+            ("full-vocab", lambda h=hidden: (h @ lm_head.t()).argmax(-1), head_bytes),
+        ]
+        for name, fn, nbytes in variants:
+            try:
+                us = _time_cuda(fn, reps, flush) if cuda else _time_cpu(fn, reps)
+            except Exception as exc:  # e.g. a variant that cannot be captured
+                print(f"{t:>4} {name:<14} failed: {type(exc).__name__}: {exc}"[:200])
+                continue
+            agree = (fn() == want).float().mean().item()
+            gbps = nbytes / (us * 1e-6) / 1e9
+            print(f"{t:>4} {name:<14} {us:>10.1f} {nbytes / 1e6:>8.1f} {gbps:>8.0f} {agree:>4.2f}")
+            rows.append(
+                {
+                    "tokens": t,
+                    "variant": name,
+                    "median_us": us,
+                    "bytes": nbytes,
+                    "gb_per_s": gbps,
+                    "agree_with_fp32_reference": agree,
+                }
+            )
+    print("ok = fraction of tokens equal to the fp32 reference (bf16 near-ties may differ)")
+    if args.json:
+        meta = {"device": str(device), "dtype": args.dtype, "vocab": vocab, "reps": reps}
+        if cuda:
+            meta["gpu"] = torch.cuda.get_device_name()
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
