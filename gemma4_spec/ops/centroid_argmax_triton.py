@@ -489,9 +489,9 @@ def _select_centroids(
 def _check(mask: CentroidMask, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
     if hidden.dim() != 2 or lm_head_weight.dim() != 2:
         raise ValueError("hidden [T, d] and lm_head_weight [V, d] expected")
-    if hidden.shape[1] != lm_head_weight.shape[1] != mask.centroids_weight.shape[1]:
+    if not hidden.shape[1] == lm_head_weight.shape[1] == mask.centroids_weight.shape[1]:
         raise ValueError("hidden size mismatch")
-    if hidden.stride(1) != 1 or lm_head_weight.stride(1) != 1:
+    if any(x.stride(1) != 1 for x in (hidden, lm_head_weight, mask.centroids_weight)):
         raise ValueError("the hidden dimension must be contiguous")
 
 
