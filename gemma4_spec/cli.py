@@ -54,6 +54,47 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+def _shipped_pair(args: argparse.Namespace) -> tuple[str, str]:
+    """``--target``/``--assistant``, each defaulting to the shipped tiny GSM8k pair's."""
+    if args.target is not None and args.assistant is not None:
+        return str(args.target), str(args.assistant)
+    from gemma4_spec.assets import tiny_gsm8k_pair
+
+    target, assistant = tiny_gsm8k_pair()
+    return str(args.target or target), str(args.assistant or assistant)
+
+
+def _report(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from gemma4_spec.report import (
+        ReportConfig,
+        check_config,
+        format_report,
+        run_report,
+        write_report,
+    )
+    from gemma4_spec.report_plot import require_matplotlib
+
+    target, assistant = _shipped_pair(args)
+    config = ReportConfig(
+        target=target,
+        assistant=assistant,
+        k=args.k,
+        num_prompts=args.num_prompts,
+        max_tokens=args.max_tokens,
+        dtype=args.dtype,
+        batch_size=args.batch_size,
+        gsm8k=args.gsm8k,
+    )
+    check_config(config)
+    require_matplotlib()
+    report = run_report(config, command=["gemma4-spec", *sys.argv[1:]])
+    print(format_report(report))
+    json_path, png_path = write_report(report, args.out)
+    print(f"wrote {json_path} and {png_path}")
+    return 0 if report.outputs_identical else 1
+
+
 def _build_tiny(args: argparse.Namespace) -> int:
     from gemma4_spec.testing.tiny import build_tiny_pair
 
@@ -73,6 +114,21 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     demo.add_argument("--max-tokens", type=int, default=32)
     demo.set_defaults(func=_demo)
+
+    report = sub.add_parser(
+        "report",
+        help="acceptance by draft position, mean accepted length and speed-up on GSM8k prompts",
+    )
+    report.add_argument("--target", type=Path, help="default: the shipped tiny GSM8k target")
+    report.add_argument("--assistant", type=Path, help="default: the shipped tiny assistant")
+    report.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    report.add_argument("--num-prompts", type=int, default=16, help="first N GSM8k test questions")
+    report.add_argument("--max-tokens", type=int, default=128)
+    report.add_argument("--batch-size", type=int, default=1, help="requests per generate call")
+    report.add_argument("--dtype", default="float32")
+    report.add_argument("--gsm8k", help="GSM8k folder (default: see gemma4_spec.data.gsm8k)")
+    report.add_argument("--out", type=Path, default=Path("runs/report"), help="output folder")
+    report.set_defaults(func=_report)
 
     tiny = sub.add_parser("build-tiny", help="write a random tiny Gemma 4 target + assistant")
     tiny.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)

