@@ -35,6 +35,7 @@ from transformers import (
 
 from gemma4_spec.validation import FULL_ATTENTION as FULL
 from gemma4_spec.validation import SLIDING_ATTENTION as SLIDING
+from gemma4_spec.validation import layer_attention_shape
 
 __all__ = [
     "AssistantStyle",
@@ -309,17 +310,18 @@ def _target_embed(target_dir: Path) -> torch.Tensor:
 
 def _assistant_config(target: Gemma4TextConfig, centroids: bool) -> Gemma4AssistantConfig:
     """Same vocab and attention geometry as the target, so the assistant can read its KV."""
-    # head_dim is per layer type here; transformers refuses the ambiguous global read.
-    sliding, full = target.per_layer_config[SLIDING], target.per_layer_config[FULL]
+    # head_dim is per layer type (transformers >= 5.15 refuses the ambiguous global read).
+    kv_heads, head_dim = layer_attention_shape(target, target.layer_types.index(SLIDING))
+    global_head_dim = layer_attention_shape(target, target.layer_types.index(FULL))[1]
     text_config = Gemma4TextConfig(
         vocab_size=target.vocab_size,
         hidden_size=ASSISTANT_HIDDEN,
         intermediate_size=ASSISTANT_INTERMEDIATE,
         num_hidden_layers=len(ASSISTANT_LAYER_TYPES),
         num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=sliding.num_key_value_heads,
-        head_dim=sliding.head_dim,
-        global_head_dim=full.head_dim,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        global_head_dim=global_head_dim,
         hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=0,
         sliding_window=target.sliding_window,
