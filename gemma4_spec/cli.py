@@ -89,6 +89,25 @@ def _report(args: argparse.Namespace) -> int:
     check_config(config)
     require_matplotlib()
     report = run_report(config, command=["gemma4-spec", *sys.argv[1:]])
+def _build_gsm8k_pair(args: argparse.Namespace) -> int:
+    import time
+
+    from gemma4_spec.training.build import Budget, build_pair
+
+    overrides = {
+        name: getattr(args, name)
+        for name in ("target_steps", "distill_prompts", "assistant_steps", "centroid_steps")
+        if getattr(args, name) is not None
+    }
+    start = time.perf_counter()
+    target, assistant = build_pair(
+        args.out, gsm8k_folder=args.gsm8k, seed=args.seed, budget=Budget(**overrides)
+    )
+    print(f"target:    {target}\nassistant: {assistant}")
+    print(f"built in {time.perf_counter() - start:.0f} s")
+    return 0
+
+
     print(format_report(report))
     json_path, png_path = write_report(report, args.out)
     print(f"wrote {json_path} and {png_path}")
@@ -125,6 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--num-prompts", type=int, default=16, help="first N GSM8k test questions")
     report.add_argument("--max-tokens", type=int, default=128)
     report.add_argument("--batch-size", type=int, default=1, help="requests per generate call")
+    pair = sub.add_parser(
+        "build-gsm8k-pair",
+        help="train a small Gemma 4 target + assistant (and tokenizer) on GSM8k (CPU, minutes)",
+    )
+    pair.add_argument("--out", type=Path, required=True, help="writes OUT/target, OUT/assistant")
+    pair.add_argument("--gsm8k", help="folder with train.jsonl (default: $GEMMA4_SPEC_GSM8K, ...)")
+    pair.add_argument("--seed", type=int, default=0)
+    budget = pair.add_argument_group("budget (defaults build the shipped pair)")
+    for flag in ("--target-steps", "--distill-prompts", "--assistant-steps", "--centroid-steps"):
+        budget.add_argument(flag, type=int)
+    pair.set_defaults(func=_build_gsm8k_pair)
+
     report.add_argument("--dtype", default="float32")
     report.add_argument("--gsm8k", help="GSM8k folder (default: see gemma4_spec.data.gsm8k)")
     report.add_argument("--out", type=Path, default=Path("runs/report"), help="output folder")
