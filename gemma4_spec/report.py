@@ -183,20 +183,15 @@ def chat_prompts(target: str, questions: Sequence[str]) -> list[list[int]]:
     the model's answer."""
     from transformers import AutoTokenizer
 
+    from gemma4_spec.training.corpus import prompt_ids
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(target)
     except (OSError, ValueError) as error:
         raise ValueError(f"the target {target} has no usable tokenizer: {error}") from error
     if not tokenizer.chat_template:
         raise ValueError(f"the target {target}'s tokenizer has no chat template")
-    prompts = []
-    for question in questions:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-        )
-        # The template writes any BOS itself.
-        prompts.append(list(tokenizer(text, add_special_tokens=False).input_ids))
-    return prompts
+    return [prompt_ids(tokenizer, question) for question in questions]
 
 
 def gsm8k_questions(num_prompts: int, folder: str | None = None) -> list[str]:
