@@ -1,0 +1,102 @@
+"""``gemma4-spec report``: its arithmetic, its input checks, one real run on the shipped pair."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gemma4_spec.assets import tiny_gsm8k_pair
+from gemma4_spec.cli import main
+from gemma4_spec.report import JSON_NAME, PNG_NAME, Acceptance
+from gemma4_spec.testing.engine_run import SPEC_PREFIX
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _counters(drafts: int, drafted: int, accepted: int, per_pos: list[int]) -> dict[str, object]:
+    return {
+        SPEC_PREFIX + "num_drafts": drafts,
+        SPEC_PREFIX + "num_draft_tokens": drafted,
+        SPEC_PREFIX + "num_accepted_tokens": accepted,
+        SPEC_PREFIX + "num_accepted_tokens_per_pos": per_pos,
+    }
+
+
+def test_acceptance_is_the_counters_growth() -> None:
+    before = _counters(2, 6, 3, [2, 1, 0])  # e.g. a warm-up request
+    after = _counters(12, 36, 13, [8, 4, 1])
+    acc = Acceptance.between(before, after)
+    assert (acc.num_drafts, acc.num_draft_tokens, acc.num_accepted_tokens) == (10, 30, 10)
+    assert acc.accepted_per_position == [6, 3, 1]
+    assert acc.rate_per_position == pytest.approx([0.6, 0.3, 0.1])
+    assert acc.acceptance_rate == pytest.approx(10 / 30)
+    assert acc.mean_accepted_length == pytest.approx(2.0)
+
+
+def test_acceptance_of_a_run_without_drafts() -> None:
+    acc = Acceptance.between({}, {})
+    assert acc.accepted_per_position == []
+    assert (acc.acceptance_rate, acc.mean_accepted_length) == (0.0, 1.0)
+
+
+def test_missing_assistant_is_rejected_before_any_engine(tmp_path: Path) -> None:
+    target = tmp_path / "target"  # only its config.json is looked at
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    missing = tmp_path / "no-such-assistant"
+    with pytest.raises(FileNotFoundError, match="no-such-assistant"):
+        main(["report", "--target", str(target), "--assistant", str(missing)])
+    with pytest.raises(ValueError, match="k must be at least 1"):
+        main(["report", "--target", str(target), "--assistant", str(target), "--k", "0"])
+
+
+@pytest.mark.engine
+def test_report_on_the_shipped_pair(tmp_path: Path) -> None:
+    target, assistant = tiny_gsm8k_pair()
+    k, prompts, max_tokens = 3, 2, 24
+    proc = subprocess.run(
+        [sys.executable, "-m", "gemma4_spec.cli", "report", "--k", str(k)]
+        + ["--target", str(target), "--assistant", str(assistant)]
+        + ["--num-prompts", str(prompts), "--max-tokens", str(max_tokens), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "outputs identical with and without speculation: yes" in proc.stdout
+    assert "speed-up:" in proc.stdout
+
+    data = json.loads((tmp_path / JSON_NAME).read_text())
+    assert (data["k"], data["num_prompts"], data["max_tokens"]) == (k, prompts, max_tokens)
+    assert data["outputs_identical"] is True
+    assert data["command"][:2] == ["gemma4-spec", "report"]
+    assert data["vllm_version"]
+    acc = data["acceptance"]
+    per_pos = acc["accepted_per_position"]
+    assert len(per_pos) == k
+    assert sum(per_pos) == acc["num_accepted_tokens"] > 0  # the trained assistant gets some right
+    assert per_pos == sorted(per_pos, reverse=True)  # acceptance stops at the first miss
+    assert acc["num_draft_tokens"] == k * acc["num_drafts"]
+    assert acc["rate_per_position"] == pytest.approx([n / acc["num_drafts"] for n in per_pos])
+    assert acc["mean_accepted_length"] == pytest.approx(
+        1 + acc["num_accepted_tokens"] / acc["num_drafts"]
+    )
+    plain, spec = data["plain"], data["speculative"]
+    assert plain["tokens"] == spec["tokens"] > 0
+    # Each speculative decode step emits its verified token plus the accepted drafts; only the
+    # prefill's first token of each prompt comes from a step without drafts.
+    assert spec["tokens"] <= acc["num_drafts"] + acc["num_accepted_tokens"] + prompts
+    for run in (plain, spec):
+        assert run["seconds"] > 0
+        assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["seconds"])
+    assert data["speedup"] == pytest.approx(spec["tokens_per_s"] / plain["tokens_per_s"])
+
+    png = tmp_path / PNG_NAME
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[:2] > (100, 100)  # decodes as an image
