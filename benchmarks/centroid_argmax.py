@@ -12,9 +12,10 @@ it only checks that everything runs. "bytes" is each variant's minimal traffic m
 "GB/s" that model divided by the median time.
 
 Minimal bytes: gather = centroid weights + T x (top_k x V/C lm_head rows + their int32 ids);
-dense and full-vocab = the whole lm_head (+ int32 centroid ids and int8 flags for dense) +
-centroid weights; in-tree = its floor, the same as gather (it also writes and re-reads the
-gathered rows, which the model does not count).
+dense = centroid weights + the rows (and int32 ids) of the union of the centroids picked in
+each block of 64 tokens; full-vocab = the whole lm_head + centroid weights; in-tree = its floor,
+the same as gather (it also writes and re-reads the gathered rows, which the model does not
+count); ours-select (kernel 1 alone: centroid scores + top-k) = the centroid weights.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch
 from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax
 from gemma4_spec.ops.centroid_argmax_triton import (
     DENSE_MIN_TOKENS,
+    _select_centroids,
+    _state_for,
     centroid_argmax_fp32_reference,
     centroid_argmax_fused,
     triton_usable,
@@ -131,7 +134,12 @@ def main() -> None:
     def gather_bytes(t: int) -> int:
         return centroids * d * es + t * (top_k * tpc * (d * es + 4) + d * es)
 
-    dense_bytes = head_bytes + vocab * 5
+    def dense_bytes(h: torch.Tensor) -> int:
+        """Centroid weights + the union of each 64-token block's picked centroids' rows."""
+        picks = (h.float() @ centroid_w.float().t()).topk(top_k, dim=-1).indices
+        union = sum(int(b.unique().numel()) for b in picks.split(64))
+        return centroids * d * es + union * tpc * (d * es + 4) + h.numel() * es
+
     print(
         f"device={device} dtype={args.dtype} V={vocab} C={centroids} top_k={top_k} d={d} "
         f"reps={reps} dense_min_tokens={DENSE_MIN_TOKENS}"
@@ -141,7 +149,7 @@ def main() -> None:
     for t in (int(x) for x in args.tokens.split(",")):
         hidden = torch.randn(t, d, generator=gen).to(device, dtype)
         want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
-        auto_bytes = dense_bytes if t >= DENSE_MIN_TOKENS else gather_bytes(t)
+        auto_bytes = dense_bytes(hidden) if t >= DENSE_MIN_TOKENS else gather_bytes(t)
         variants: list[tuple[str, Callable[[], torch.Tensor], int]] = [
             ("ours-auto", lambda h=hidden: centroid_argmax_fused(mask, h, lm_head), auto_bytes),
             (
@@ -152,7 +160,7 @@ def main() -> None:
             (
                 "ours-dense",
                 lambda h=hidden: centroid_argmax_fused(mask, h, lm_head, path="dense"),
-                dense_bytes,
+                dense_bytes(hidden),
             ),
             ("torch-sparse", lambda h=hidden: centroid_argmax(h, lm_head, mask), gather_bytes(t)),
             (
@@ -164,13 +172,24 @@ def main() -> None:
             ),
             ("full-vocab", lambda h=hidden: (h @ lm_head.t()).argmax(-1), head_bytes),
         ]
+        if fused:
+            variants.insert(
+                3,
+                (
+                    "ours-select",  # kernel 1 alone (scores + top-k), as the gather path runs it
+                    lambda h=hidden: _select_centroids(
+                        _state_for(mask, vocab), h, mask.centroids_weight, True, False
+                    )[0],
+                    centroids * d * es,
+                ),
+            )
         for name, fn, nbytes in variants:
             try:
                 us = _time_cuda(fn, reps, flush) if cuda else _time_cpu(fn, reps)
             except Exception as exc:  # e.g. a variant that cannot be captured
                 print(f"{t:>4} {name:<14} failed: {type(exc).__name__}: {exc}"[:200])
                 continue
-            agree = (fn() == want).float().mean().item()
+            agree = (fn() == want).float().mean().item() if name != "ours-select" else float("nan")
             gbps = nbytes / (us * 1e-6) / 1e9
             print(f"{t:>4} {name:<14} {us:>10.1f} {nbytes / 1e6:>8.1f} {gbps:>8.0f} {agree:>4.2f}")
             rows.append(

@@ -222,6 +222,11 @@ def test_cuda_graph_replay(num_tokens: int, path: str) -> None:
 
 
 @needs_cuda
+def test_centroid_score_ties_go_to_smallest_index() -> None:
+    _check_score_ties("cuda")
+
+
+@needs_cuda
 def test_unprepared_capacity_growth_outside_capture() -> None:
     # More tokens than the default counter capacity (1024): the state grows, results hold.
     lm_head, mask = _make(**SMALL, dtype=torch.float32, device="cuda", seed=31)
@@ -256,9 +261,34 @@ def _interpreter_checks() -> None:
         _check_all_suppressed(TINY, dtype, "cpu", "dense")
     # The dispatcher's dense branch, and a block of 16 tokens through tl.dot.
     _check_random(TINY, torch.float32, "cpu", 17, "dense")
+    # Several centroid rows per dense program (V / C > 128) and several token blocks.
+    wide = {"vocab": 2048, "centroids": 8, "top_k": 3, "d": 32}
+    for path in ("gather", "dense"):
+        _check_random(wide, torch.float32, "cpu", 70, path)
+    _check_score_ties("cpu")
+
+
+def _check_score_ties(device: str) -> None:
+    """Equal centroid scores across the top-k boundary: the smallest centroid indices win."""
+    lm_head, mask = _make(**TINY, dtype=torch.float32, device=device, seed=3)
+    hidden = _hidden(4, TINY["d"], torch.float32, device, seed=5)
+    scores = hidden[:1].float() @ mask.centroids_weight.float().t()
+    # Copy row 0's top-k-th centroid onto four others: ties straddle the boundary for token 0.
+    kth = int(scores[0].sort(descending=True, stable=True).indices[mask.top_k - 1])
+    cw = mask.centroids_weight.clone()
+    others = [c for c in range(cw.shape[0]) if c != kth][:: max(1, cw.shape[0] // 4)][:4]
+    cw[others] = cw[kth].clone()
+    mask = CentroidMask(cw, mask.token_ordering, mask.top_k)
+    want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
+    for path in ("gather", "dense"):
+        got = centroid_argmax_fused(mask, hidden, lm_head, path=path)
+        assert torch.equal(got, want), (path, got, want)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU CI only (the CUDA tests cover the kernels there)"
+)
 def test_kernels_under_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = Path(__file__).resolve().parents[1]

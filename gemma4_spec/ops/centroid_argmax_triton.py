@@ -7,17 +7,21 @@ launches with no host synchronisation (CUDA-graph capturable). Two paths:
 
 * **small T** (``path="gather"``), two kernels:
   1. ``_scores_select_kernel``, grid ``(T, C / BLOCK_C)``: fp32 centroid scores; the last
-     program to finish for a token picks its ``top_k`` centroids (a bisection on the scores'
-     order-preserving integer keys, ties to the smallest centroid index).
+     program to finish for a token picks its ``top_k`` centroids (the ``top_k``-th largest of
+     the scores' order-preserving integer keys, found 4 bits per round with 16 thresholds
+     counted at once; ties to the smallest centroid index).
   2. ``_gather_argmax_kernel``, grid ``(T, top_k, SPLIT)``: each program reads its share of one
      selected centroid's lm_head rows, dots them with ``h`` in fp32 and keeps the best
      (value, smallest id); the last program of a token reduces the ``top_k * SPLIT`` partials
      and writes the token id (split-K over candidate blocks, so that T=1 uses many SMs).
-* **large T** (``path="dense"``): the same first kernel, then ``_dense_argmax_kernel``, grid
-  ``(T / BLOCK_T, V / BLOCK_V)``: ``tl.dot`` tiles of the full lm_head (read once), masked by
-  each token's centroid membership (``centroid_of[v]`` looked up in a ``[T, C]`` selection
-  mask) and by the suppressed tokens, a running argmax per row and a last-program reduction
-  over the V blocks.
+* **larger T** (``path="dense"``): the same first kernel (writing, per centroid and token, the
+  centroid's slot among the token's picks), then ``_dense_argmax_kernel``, grid
+  ``(T / BLOCK_T, C)``: a program reads one centroid's ``V / C`` lm_head rows (through
+  ``token_ordering``) once for its whole token block and ``tl.dot``s them with the block's
+  hidden states, but only if some token of the block picked that centroid; so the lm_head
+  traffic is the union of the block's picks (never more than the whole lm_head, and far less
+  at small T). Per (token, picked centroid) partial maxima; the program bringing a token's
+  ``top_k``-th partial reduces them.
 
 The definition these kernels implement is ``centroid_argmax_fp32_reference``: everything in
 float32 from the given (e.g. bfloat16) values, centroid ties to the smallest centroid index,
@@ -48,12 +52,11 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton
     HAS_TRITON = False
 
-# At or above this many tokens the dense path (read the whole lm_head once) is used: the gather
-# path reads top_k * V / C rows (2 MiB in bf16 at E2B dims) per token, the dense one 128 MiB in
-# all. Tunable with GEMMA4_SPEC_DENSE_MIN_TOKENS.
-DENSE_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "32"))
-
-_INT32_MIN = -(2**31)
+# At or above this many tokens the dense path is used: the gather path reads top_k * V / C rows
+# (2 MiB in bf16 at E2B dims) per token, the dense one each picked centroid's rows once per
+# block of up to 64 tokens (the union of the picks, at most the whole lm_head). Tunable with
+# GEMMA4_SPEC_DENSE_MIN_TOKENS.
+DENSE_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "4"))
 
 
 def _interpreting() -> bool:
@@ -194,7 +197,6 @@ def _state_for(mask: CentroidMask, vocab: int) -> FusedCentroidState:
 # --------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-    _INT32_MIN_C = tl.constexpr(_INT32_MIN)
 
     @triton.jit
     def _sortable_key(x):
@@ -208,8 +210,9 @@ if HAS_TRITON:
         cw_ptr,  # [C, D]
         scores_ptr,  # [T, C] fp32 scratch
         sel_ptr,  # [T, K] int32 out: selected centroid ids (ascending)
-        selmask_ptr,  # [T, C] int8 out: 1 where selected
+        slot_ptr,  # [C, T] int32 out: rank among the selected (ascending id), -1 if not
         counter_ptr,  # [T] int32, zero on entry and on exit
+        T,
         C,
         D,
         K,
@@ -219,7 +222,7 @@ if HAS_TRITON:
         BLOCK_D: tl.constexpr,
         BLOCK_ALL_C: tl.constexpr,
         WRITE_SEL: tl.constexpr,
-        WRITE_MASK: tl.constexpr,
+        WRITE_SLOT: tl.constexpr,
     ):
         t = tl.program_id(0)
         cb = tl.program_id(1)
@@ -237,33 +240,36 @@ if HAS_TRITON:
             ).to(tl.float32)
             acc += tl.sum(w * hv[None, :], axis=1)
         tl.store(scores_ptr + t * C + offs_c, acc, mask=c_ok)
+        tl.debug_barrier()  # every thread's stores before the (releasing) counter update
         # The last program of this token selects its top-K centroids from all C scores.
         done = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel")
         if done == tl.num_programs(1) - 1:
+            tl.debug_barrier()
             offs = tl.arange(0, BLOCK_ALL_C)
             ok = offs < C
             s = tl.load(scores_ptr + t * C + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            key = tl.where(ok, _sortable_key(s), _INT32_MIN_C).to(tl.int64)
-            # Largest x with count(key >= x) >= K: the K-th largest key.
-            lo = tl.full([], _INT32_MIN_C, tl.int64)
-            hi = tl.full([], 2**31, tl.int64)
-            for _ in range(32):
-                mid = (lo + hi) // 2
-                enough = tl.sum((key >= mid).to(tl.int32), axis=0) >= K
-                lo = tl.where(enough, mid, lo)
-                hi = tl.where(enough, hi, mid)
-            above = key > lo
+            # Unsigned keys in [0, 2**32); padding gets -1 so it never counts.
+            u = tl.where(ok, _sortable_key(s).to(tl.int64) + 2**31, -1)
+            # The K-th largest key, 4 bits per round: 16 thresholds tested at once, keep the
+            # largest one that at least K keys reach (8 rounds instead of 32 bisection steps).
+            probe = tl.arange(0, 16).to(tl.int64)
+            kth = tl.full([], 0, tl.int64)
+            for r in tl.static_range(8):
+                x = kth + (probe << (28 - 4 * r))
+                cnt = tl.sum((u[None, :] >= x[:, None]).to(tl.int32), axis=1)
+                kth += (tl.sum((cnt >= K).to(tl.int64), axis=0) - 1) << (28 - 4 * r)
+            above = u > kth
             need = K - tl.sum(above.to(tl.int32), axis=0)
-            equal = (key == lo) & ok
+            equal = (u == kth) & ok
             eq_i = equal.to(tl.int32)
             eq_before = tl.cumsum(eq_i, axis=0) - eq_i
             chosen = ok & (above | (equal & (eq_before < need)))
+            ch_i = chosen.to(tl.int32)
+            pos = tl.cumsum(ch_i, axis=0) - ch_i
             if WRITE_SEL:
-                ch_i = chosen.to(tl.int32)
-                pos = tl.cumsum(ch_i, axis=0) - ch_i
                 tl.store(sel_ptr + t * K + pos, offs, mask=chosen)
-            if WRITE_MASK:
-                tl.store(selmask_ptr + t * C + offs, chosen.to(tl.int8), mask=ok)
+            if WRITE_SLOT:  # [C, T]: each centroid's slot among the token's picks, or -1
+                tl.store(slot_ptr + offs * T + t, tl.where(chosen, pos, -1), mask=ok)
             tl.store(counter_ptr + t, 0)
 
     @triton.jit
@@ -330,8 +336,10 @@ if HAS_TRITON:
         slot = r * SPLIT + s
         tl.store(part_val_ptr + t * (K * SPLIT) + slot, m)
         tl.store(part_idx_ptr + t * (K * SPLIT) + slot, i)
+        tl.debug_barrier()
         done = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel")
         if done == K * SPLIT - 1:
+            tl.debug_barrier()
             offs = tl.arange(0, BLOCK_P)
             p_ok = offs < K * SPLIT
             pv = tl.load(
@@ -352,90 +360,94 @@ if HAS_TRITON:
     def _dense_argmax_kernel(
         h_ptr,  # [T, D]
         w_ptr,  # [V, D]
-        centroid_of_ptr,  # [V] int32
-        selmask_ptr,  # [T, C] int8
+        ordering_ptr,  # [V] int32
+        slot_ptr,  # [C, T] int32: slot of centroid c among token t's picks, -1 if not picked
         sup_ptr,  # [V] int8
-        part_val_ptr,  # [T, NVB] fp32
-        part_idx_ptr,  # [T, NVB] int32
-        counter_ptr,  # [cdiv(T, BLOCK_T)] int32
+        part_val_ptr,  # [T, K] fp32
+        part_idx_ptr,  # [T, K] int32
+        counter_ptr,  # [T] int32, zero on entry and on exit
         out_ptr,  # [T] int64
         T,
         D,
-        C,
+        K,
+        TPC,
         stride_h,
         stride_w,
-        NVB: tl.constexpr,
         BLOCK_T: tl.constexpr,
-        BLOCK_V: tl.constexpr,
+        BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        BLOCK_P: tl.constexpr,
+        BLOCK_K: tl.constexpr,
         V: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
     ):
         tb = tl.program_id(0)
-        vb = tl.program_id(1)
+        c = tl.program_id(1)
         offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
         t_ok = offs_t < T
-        v_ok = offs_v < V
-        acc = tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = offs_d < D
-            a = tl.load(
-                h_ptr + offs_t[:, None] * stride_h + offs_d[None, :],
-                mask=t_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                w_ptr + offs_v[None, :].to(tl.int64) * stride_w + offs_d[:, None],
-                mask=v_ok[None, :] & d_ok[:, None],
-                other=0.0,
-            )
-            if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        cent = tl.load(centroid_of_ptr + offs_v, mask=v_ok, other=0)
-        sup = tl.load(sup_ptr + offs_v, mask=v_ok, other=1)
-        member = tl.load(
-            selmask_ptr + offs_t[:, None] * C + cent[None, :],
-            mask=t_ok[:, None] & v_ok[None, :],
-            other=0,
-        )
-        ok = (member != 0) & (sup == 0)[None, :] & v_ok[None, :]
-        vals = tl.where(ok, acc, float("-inf"))
-        ids = tl.where(ok, offs_v[None, :], V)
-        m, i = _best_of(vals, ids, 1, V)
-        tl.store(part_val_ptr + offs_t * NVB + vb, m, mask=t_ok)
-        tl.store(part_idx_ptr + offs_t * NVB + vb, i, mask=t_ok)
-        done = tl.atomic_add(counter_ptr + tb, 1, sem="acq_rel")
-        if done == NVB - 1:
-            run_v = tl.full([BLOCK_T], float("-inf"), tl.float32)
-            run_i = tl.full([BLOCK_T], V, tl.int32)
-            for p0 in range(0, NVB, BLOCK_P):
-                offs_p = p0 + tl.arange(0, BLOCK_P)
-                pm = t_ok[:, None] & (offs_p < NVB)[None, :]
+        slot = tl.load(slot_ptr + c * T + offs_t, mask=t_ok, other=-1)
+        member = slot >= 0
+        # Centroid c's rows are read only if a token of this block picked it, and then once
+        # for all of them: the lm_head traffic is the union of the block's picks.
+        if tl.max(slot, axis=0) >= 0:
+            best_v = tl.full([BLOCK_T], float("-inf"), tl.float32)
+            best_i = tl.full([BLOCK_T], V, tl.int32)
+            for r0 in range(0, TPC, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = offs_r < TPC
+                ids = tl.load(ordering_ptr + c * TPC + offs_r, mask=r_ok, other=0)
+                acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+                for d0 in range(0, D, BLOCK_D):
+                    offs_d = d0 + tl.arange(0, BLOCK_D)
+                    d_ok = offs_d < D
+                    a = tl.load(
+                        h_ptr + offs_t[:, None] * stride_h + offs_d[None, :],
+                        mask=member[:, None] & d_ok[None, :],
+                        other=0.0,
+                    )
+                    b = tl.load(
+                        w_ptr + ids[None, :].to(tl.int64) * stride_w + offs_d[:, None],
+                        mask=r_ok[None, :] & d_ok[:, None],
+                        other=0.0,
+                    )
+                    if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
+                        a = a.to(tl.float32)
+                        b = b.to(tl.float32)
+                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                sup = tl.load(sup_ptr + ids, mask=r_ok, other=1)
+                ok = member[:, None] & (r_ok & (sup == 0))[None, :]
+                vals = tl.where(ok, acc, float("-inf"))
+                cand = tl.where(ok, ids[None, :], V)
+                m, i = _best_of(vals, cand, 1, V)
+                take = (i < V) & ((m > best_v) | ((m == best_v) & (i < best_i)))
+                best_v = tl.where(take, m, best_v)
+                best_i = tl.where(take, i, best_i)
+            tl.store(part_val_ptr + offs_t * K + slot, best_v, mask=member)
+            tl.store(part_idx_ptr + offs_t * K + slot, best_i, mask=member)
+            tl.debug_barrier()  # every thread's stores before the (releasing) counter updates
+            done = tl.atomic_add(counter_ptr + offs_t, 1, mask=member, sem="acq_rel")
+            fin = member & (done == K - 1)
+            # The program bringing a token's K-th partial reduces that token's partials.
+            if tl.max(fin.to(tl.int32), axis=0) > 0:
+                tl.debug_barrier()
+                offs_k = tl.arange(0, BLOCK_K)
+                pm = fin[:, None] & (offs_k < K)[None, :]
                 pv = tl.load(
-                    part_val_ptr + offs_t[:, None] * NVB + offs_p[None, :],
+                    part_val_ptr + offs_t[:, None] * K + offs_k[None, :],
                     mask=pm,
                     other=float("-inf"),
                     cache_modifier=".cg",
                 )
                 pi = tl.load(
-                    part_idx_ptr + offs_t[:, None] * NVB + offs_p[None, :],
+                    part_idx_ptr + offs_t[:, None] * K + offs_k[None, :],
                     mask=pm,
                     other=V,
                     cache_modifier=".cg",
                 )
-                cm, ci = _best_of(pv, pi, 1, V)
-                take = (ci < V) & ((cm > run_v) | ((cm == run_v) & (ci < run_i)))
-                run_v = tl.where(take, cm, run_v)
-                run_i = tl.where(take, ci, run_i)
-            run_i = tl.where(run_i == V, 0, run_i)
-            tl.store(out_ptr + offs_t, run_i.to(tl.int64), mask=t_ok)
-            tl.store(counter_ptr + tb, 0)
+                _, best = _best_of(pv, pi, 1, V)
+                best = tl.where(best == V, 0, best)  # every candidate suppressed
+                tl.store(out_ptr + offs_t, best.to(tl.int64), mask=fin)
+                tl.store(counter_ptr + offs_t, tl.zeros([BLOCK_T], tl.int32), mask=fin)
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,8 +457,9 @@ if HAS_TRITON:
 SCORES_BLOCK_C = 16
 GATHER_SPLIT = 4
 GATHER_BLOCK_R = 32
-DENSE_BLOCK_V = 128
-DENSE_BLOCK_D = 64
+DENSE_BLOCK_R = 128
+DENSE_BLOCK_D = 128
+DENSE_MAX_BLOCK_T = 64
 
 
 def _select_centroids(
@@ -454,24 +467,25 @@ def _select_centroids(
     hidden: torch.Tensor,
     centroids_weight: torch.Tensor,
     write_sel: bool,
-    write_mask: bool,
+    write_slot: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches kernel 1: returns (sel [T, K] int32, selmask [T, C] int8); only the asked-for
+    """Launches kernel 1: returns (sel [T, K] int32, slot [C, T] int32); only the asked-for
     outputs are written."""
     num_tokens, d = hidden.shape
     c, k = state.num_centroids, state.top_k
     dev = hidden.device
     scores = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
     sel = torch.empty(num_tokens if write_sel else 1, k, dtype=torch.int32, device=dev)
-    selmask = torch.empty(num_tokens if write_mask else 1, c, dtype=torch.int8, device=dev)
+    slot = torch.empty(c if write_slot else 1, num_tokens, dtype=torch.int32, device=dev)
     grid = (num_tokens, triton.cdiv(c, SCORES_BLOCK_C))
     _scores_select_kernel[grid](
         hidden,
         centroids_weight,
         scores,
         sel,
-        selmask,
+        slot,
         state.counters[0],
+        num_tokens,
         c,
         d,
         k,
@@ -481,9 +495,10 @@ def _select_centroids(
         BLOCK_D=min(256, triton.next_power_of_2(d)),
         BLOCK_ALL_C=triton.next_power_of_2(c),
         WRITE_SEL=write_sel,
-        WRITE_MASK=write_mask,
+        WRITE_SLOT=write_slot,
+        num_warps=8 if c >= 2048 else 4,
     )
-    return sel, selmask
+    return sel, slot
 
 
 def _check(mask: CentroidMask, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
@@ -549,7 +564,9 @@ def centroid_argmax_dense(
     lm_head_weight: torch.Tensor,
     state: FusedCentroidState | None = None,
 ) -> torch.Tensor:
-    """Large-T path: one pass over the whole lm_head with tl.dot tiles, masked argmax."""
+    """Larger-T path: one program per (token block, centroid) reads that centroid's lm_head
+    rows once for the whole token block (``tl.dot``), and only if some token of the block
+    picked it; per-token partials per picked centroid, reduced by the last contributor."""
     _check(mask, hidden, lm_head_weight)
     vocab = lm_head_weight.shape[0]
     state = state or _state_for(mask, vocab)
@@ -558,18 +575,20 @@ def centroid_argmax_dense(
     if num_tokens == 0:
         return out
     state.ensure_capacity(num_tokens)
-    _, selmask = _select_centroids(state, hidden, mask.centroids_weight, False, True)
-    block_t = min(64, max(16, triton.next_power_of_2(num_tokens)))
-    nvb = triton.cdiv(vocab, DENSE_BLOCK_V)
-    part_val = torch.empty(num_tokens, nvb, dtype=torch.float32, device=hidden.device)
-    part_idx = torch.empty(num_tokens, nvb, dtype=torch.int32, device=hidden.device)
+    _, slot = _select_centroids(state, hidden, mask.centroids_weight, False, True)
+    k, c = state.top_k, state.num_centroids
+    tpc = vocab // c
+    block_t = min(DENSE_MAX_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))
+    block_r = min(DENSE_BLOCK_R, max(16, triton.next_power_of_2(tpc)))
+    part_val = torch.empty(num_tokens, k, dtype=torch.float32, device=hidden.device)
+    part_idx = torch.empty(num_tokens, k, dtype=torch.int32, device=hidden.device)
     upcast = _interpreting() and hidden.dtype != torch.float32
     precision = "ieee" if hidden.dtype == torch.float32 or upcast else "tf32"
-    _dense_argmax_kernel[(triton.cdiv(num_tokens, block_t), nvb)](
+    _dense_argmax_kernel[(triton.cdiv(num_tokens, block_t), c)](
         hidden,
         lm_head_weight,
-        state.centroid_of,
-        selmask,
+        state.ordering,
+        slot,
         state.suppressed,
         part_val,
         part_idx,
@@ -577,17 +596,18 @@ def centroid_argmax_dense(
         out,
         num_tokens,
         d,
-        state.num_centroids,
+        k,
+        tpc,
         hidden.stride(0),
         lm_head_weight.stride(0),
-        NVB=nvb,
         BLOCK_T=block_t,
-        BLOCK_V=DENSE_BLOCK_V,
+        BLOCK_R=block_r,
         BLOCK_D=min(DENSE_BLOCK_D, max(16, triton.next_power_of_2(d))),
-        BLOCK_P=min(256, triton.next_power_of_2(nvb)),
+        BLOCK_K=triton.next_power_of_2(k),
         V=vocab,
         PRECISION=precision,
         UPCAST=upcast,
+        num_warps=8 if block_t * block_r >= 8192 else 4,
     )
     return out
 
