@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.data import gsm8k
@@ -78,7 +78,9 @@ def test_tiny_pair_acceptance_on_gsm8k(report_figure: Callable[[str], None]) -> 
     assert spec.acceptance_rate >= MIN_ACCEPTANCE
 
 
-def _five_shot_prompt(tokenizer, shots: list[gsm8k.Problem], question: str) -> str:  # type: ignore[no-untyped-def]
+def _five_shot_prompt(
+    tokenizer: PreTrainedTokenizerBase, shots: list[gsm8k.Problem], question: str
+) -> str:
     messages: list[dict[str, str]] = []
     for shot in shots:
         messages += [

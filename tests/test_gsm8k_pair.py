@@ -74,16 +74,18 @@ def test_token_ordering_is_a_clustering(pair: tuple[Path, Path]) -> None:
     validate_token_ordering(ordering, vocab, head.num_centroids)
     assert not torch.equal(ordering, torch.arange(vocab))
 
-    rows = torch.nn.functional.normalize(assistant.lm_head.weight.detach(), dim=-1)
+    # Rows share a large common direction (no effect on any argmax): compare what is left.
+    weight = assistant.lm_head.weight.detach()
+    rows = torch.nn.functional.normalize(weight - weight.mean(0), dim=-1)
 
     def tightness(order: torch.Tensor) -> float:
-        """Mean cosine of each row to its cluster's mean direction."""
+        """Mean cosine of each (centred) row to its cluster's mean direction."""
         clusters = rows[order].view(head.num_centroids, -1, rows.shape[1])
         centres = torch.nn.functional.normalize(clusters.mean(1, keepdim=True), dim=-1)
         return float((clusters * centres).sum(-1).mean())
 
     random_order = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))
-    assert tightness(ordering) > 1.5 * tightness(random_order)
+    assert tightness(ordering) > 1.3 * tightness(random_order)
 
 
 def test_builder_runs_end_to_end(tmp_path: Path) -> None:
@@ -94,6 +96,14 @@ def test_builder_runs_end_to_end(tmp_path: Path) -> None:
     _check_loadable(out / "target", out / "assistant")
     ordering = read_token_ordering(out / "assistant")
     assert ordering is not None and not torch.equal(ordering, torch.arange(ordering.numel()))
+
+
+def test_builder_reports_missing_gsm8k(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gsm8k.ENV_VAR, raising=False)
+    monkeypatch.setattr(gsm8k, "_BESIDE_CHECKOUT", tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="GSM8k not found"):
+        cli_main(["build-gsm8k-pair", "--out", str(tmp_path / "pair"), "--gsm8k", str(tmp_path)])
+    assert not (tmp_path / "pair").exists()
 
 
 @pytest.mark.engine
