@@ -1,12 +1,10 @@
-"""``gemma4-spec`` command line: the demo and the tiny-checkpoint builder."""
+"""``gemma4-spec`` command line: the demo, the acceptance report, the tiny-checkpoint builder."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import random
 import sys
-import time
 from pathlib import Path
 
 DEFAULT_WORKDIR = Path("runs/tiny")
@@ -15,43 +13,29 @@ DEFAULT_WORKDIR = Path("runs/tiny")
 def _demo(args: argparse.Namespace) -> int:
     # The demo's own summary is what matters here; VLLM_LOGGING_LEVEL=INFO brings vLLM's back.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from gemma4_spec.testing.engine_run import RunConfig, generate
-    from gemma4_spec.testing.tiny import build_tiny_pair
+    from gemma4_spec.data import gsm8k
+    from gemma4_spec.report import ReportConfig, format_report, run_report
 
-    target, assistant = build_tiny_pair(args.workdir, centroids=True, style="copy")
-    print(f"tiny Gemma 4 target:    {target}")
-    print(f"tiny Gemma 4 assistant: {assistant} (centroid masking on)")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in (4, 12, 24, 48)]
-    common = dict(target=str(target), prompts=prompts, max_tokens=args.max_tokens)
-
-    start = time.perf_counter()
-    plain = generate(RunConfig(**common))
-    plain_s = time.perf_counter() - start
-    start = time.perf_counter()
-    spec = generate(RunConfig(**common, assistant=str(assistant), num_speculative_tokens=args.k))
-    spec_s = time.perf_counter() - start
-
-    same = plain.token_ids == spec.token_ids
-    metrics = spec.spec_metrics
-    drafts = metrics.get("vllm:spec_decode_num_drafts", 0)
-    per_pos = metrics.get("vllm:spec_decode_num_accepted_tokens_per_pos", [])
-    print("\n" + "=" * 72)
-    print(f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy, float32, k={args.k}")
-    print(f"outputs identical with and without speculation: {'yes' if same else 'NO'}")
-    print("vLLM spec-decode counters:")
-    for name, value in sorted(metrics.items()):
-        print(f"  {name} = {value}")
-    print(f"acceptance rate (accepted / drafted): {spec.acceptance_rate:.3f}")
-    print(
-        "acceptance by draft position: "
-        + ", ".join(f"{i + 1}: {n / drafts:.3f}" for i, n in enumerate(per_pos) if drafts)
+    target, assistant = _shipped_pair(args)
+    print(f"Gemma 4 target:    {target}")
+    print(f"Gemma 4 assistant: {assistant} (k={args.k} drafts per target step)")
+    problems = gsm8k.load("test", limit=args.num_prompts)
+    config = ReportConfig(
+        target=target,
+        assistant=assistant,
+        k=args.k,
+        num_prompts=len(problems),
+        max_tokens=args.max_tokens,
     )
-    print(f"mean acceptance length (tokens per target step): {spec.mean_acceptance_length:.2f}")
-    print(f"wall time incl. engine start-up: {plain_s:.1f} s plain, {spec_s:.1f} s speculative")
-    print("Random tiny weights: the 'copy' assistant is right only where the target repeats.")
+    report = run_report(config, questions=[p.question for p in problems])
+    print("\n" + "=" * 72)
+    print(f"GSM8k question: {problems[0].question}")
+    print(f"answer (greedy, with speculative decoding): {report.speculative.texts[0].strip()}")
+    print(f"GSM8k's answer: {problems[0].final_answer}")
+    print("-" * 72)
+    print(format_report(report))
     print("=" * 72)
-    return 0 if same else 1
+    return 0 if report.outputs_identical else 1
 
 
 def _shipped_pair(args: argparse.Namespace) -> tuple[str, str]:
@@ -89,6 +73,22 @@ def _report(args: argparse.Namespace) -> int:
     check_config(config)
     require_matplotlib()
     report = run_report(config, command=["gemma4-spec", *sys.argv[1:]])
+    print(format_report(report))
+    json_path, png_path = write_report(report, args.out)
+    print(f"wrote {json_path} and {png_path}")
+    return 0 if report.outputs_identical else 1
+
+
+def _build_tiny(args: argparse.Namespace) -> int:
+    from gemma4_spec.testing.tiny import build_tiny_pair
+
+    target, assistant = build_tiny_pair(
+        args.workdir, centroids=not args.no_centroids, style=args.style, seed=args.seed
+    )
+    print(f"target:    {target}\nassistant: {assistant}")
+    return 0
+
+
 def _build_gsm8k_pair(args: argparse.Namespace) -> int:
     import time
 
@@ -108,30 +108,18 @@ def _build_gsm8k_pair(args: argparse.Namespace) -> int:
     return 0
 
 
-    print(format_report(report))
-    json_path, png_path = write_report(report, args.out)
-    print(f"wrote {json_path} and {png_path}")
-    return 0 if report.outputs_identical else 1
-
-
-def _build_tiny(args: argparse.Namespace) -> int:
-    from gemma4_spec.testing.tiny import build_tiny_pair
-
-    target, assistant = build_tiny_pair(
-        args.workdir, centroids=not args.no_centroids, style=args.style, seed=args.seed
-    )
-    print(f"target:    {target}\nassistant: {assistant}")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gemma4-spec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="speculative vs plain decoding on a tiny local pair (CPU)")
-    demo.add_argument("--workdir", type=Path, default=DEFAULT_WORKDIR)
+    demo = sub.add_parser(
+        "demo", help="GSM8k questions answered with and without speculation (shipped tiny pair)"
+    )
+    demo.add_argument("--target", type=Path, help="default: the shipped tiny GSM8k target")
+    demo.add_argument("--assistant", type=Path, help="default: the shipped tiny assistant")
     demo.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.add_argument("--num-prompts", type=int, default=4, help="first N GSM8k test questions")
+    demo.add_argument("--max-tokens", type=int, default=128)
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(
@@ -144,18 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--num-prompts", type=int, default=16, help="first N GSM8k test questions")
     report.add_argument("--max-tokens", type=int, default=128)
     report.add_argument("--batch-size", type=int, default=1, help="requests per generate call")
-    pair = sub.add_parser(
-        "build-gsm8k-pair",
-        help="train a small Gemma 4 target + assistant (and tokenizer) on GSM8k (CPU, minutes)",
-    )
-    pair.add_argument("--out", type=Path, required=True, help="writes OUT/target, OUT/assistant")
-    pair.add_argument("--gsm8k", help="folder with train.jsonl (default: $GEMMA4_SPEC_GSM8K, ...)")
-    pair.add_argument("--seed", type=int, default=0)
-    budget = pair.add_argument_group("budget (defaults build the shipped pair)")
-    for flag in ("--target-steps", "--distill-prompts", "--assistant-steps", "--centroid-steps"):
-        budget.add_argument(flag, type=int)
-    pair.set_defaults(func=_build_gsm8k_pair)
-
     report.add_argument("--dtype", default="float32")
     report.add_argument("--gsm8k", help="GSM8k folder (default: see gemma4_spec.data.gsm8k)")
     report.add_argument("--out", type=Path, default=Path("runs/report"), help="output folder")
@@ -167,6 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     tiny.add_argument("--no-centroids", action="store_true")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=_build_tiny)
+
+    pair = sub.add_parser(
+        "build-gsm8k-pair",
+        help="train a small Gemma 4 target + assistant (and tokenizer) on GSM8k (CPU, minutes)",
+    )
+    pair.add_argument("--out", type=Path, required=True, help="writes OUT/target, OUT/assistant")
+    pair.add_argument("--gsm8k", help="folder with train.jsonl (default: $GEMMA4_SPEC_GSM8K, ...)")
+    pair.add_argument("--seed", type=int, default=0)
+    budget = pair.add_argument_group("budget (defaults build the shipped pair)")
+    for flag in ("--target-steps", "--distill-prompts", "--assistant-steps", "--centroid-steps"):
+        budget.add_argument(flag, type=int)
+    pair.set_defaults(func=_build_gsm8k_pair)
 
     args = parser.parse_args(argv)
     return int(args.func(args))
