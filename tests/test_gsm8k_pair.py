@@ -88,14 +88,23 @@ def test_token_ordering_is_a_clustering(pair: tuple[Path, Path]) -> None:
     assert tightness(ordering) > 1.3 * tightness(random_order)
 
 
-def test_builder_runs_end_to_end(tmp_path: Path) -> None:
-    out = tmp_path / "pair"
+def test_builder_runs_end_to_end_and_is_deterministic(
+    tmp_path: Path, pair: tuple[Path, Path]
+) -> None:
     budget = ["--target-steps", "2", "--distill-prompts", "8", "--assistant-steps", "2"]
-    code = cli_main(["build-gsm8k-pair", "--out", str(out), *budget, "--centroid-steps", "2"])
-    assert code == 0
-    _check_loadable(out / "target", out / "assistant")
-    ordering = read_token_ordering(out / "assistant")
+    outs = [tmp_path / "first", tmp_path / "second"]
+    for out in outs:
+        code = cli_main(["build-gsm8k-pair", "--out", str(out), *budget, "--centroid-steps", "2"])
+        assert code == 0
+    first = outs[0]
+    _check_loadable(first / "target", first / "assistant")
+    ordering = read_token_ordering(first / "assistant")
     assert ordering is not None and not torch.equal(ordering, torch.arange(ordering.numel()))
+    for name in ("target/model.safetensors", "assistant/model.safetensors"):
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    # The tokenizer depends on the data only: the shipped one is the one the builder makes.
+    shipped_tokenizer = (pair[0] / "tokenizer.json").read_text()
+    assert (first / "target" / "tokenizer.json").read_text() == shipped_tokenizer
 
 
 def test_builder_reports_missing_gsm8k(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
