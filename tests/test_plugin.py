@@ -234,11 +234,23 @@ def test_pipeline_parallelism_is_rejected_before_loading() -> None:
 # --- model runner selection ------------------------------------------------------------------
 
 
+class _FakeSpec:
+    """Like vLLM's SpeculativeConfig, which turns method "gemma4_mtp" into "mtp" + a draft
+    model_type, and answers ``use_gemma4_mtp()``."""
+
+    def __init__(self, method: str) -> None:
+        self.method = "mtp" if method == "gemma4_mtp" else method
+        self._gemma4 = method == "gemma4_mtp"
+
+    def use_gemma4_mtp(self) -> bool:
+        return self._gemma4
+
+
 class _FakeConfig:
     """Stands in for VllmConfig: like vLLM's, its choice is the environment variable when set."""
 
     def __init__(self, method: str | None, default: bool) -> None:
-        self.speculative_config = None if method is None else type("S", (), {"method": method})()
+        self.speculative_config = None if method is None else _FakeSpec(method)
         self._default = default
 
     @property

@@ -41,7 +41,8 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.sequence import IntermediateTensors
 
-from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax, masked_logits
+from gemma4_spec.ops.centroid_argmax import CentroidMask, masked_logits
+from gemma4_spec.ops.centroid_argmax_triton import centroid_argmax_fused
 from gemma4_spec.validation import SLIDING_ATTENTION, kv_source_layers, layer_attention_shape
 
 # (checkpoint name fragment, our parameter fragment, shard id) for stacked parameters.
@@ -330,7 +331,7 @@ class Gemma4AssistantForDrafting(nn.Module):
         mask = self._centroid_mask()
         if mask is None:
             return self.compute_logits(hidden_states).argmax(dim=-1)
-        return centroid_argmax(hidden_states, self.lm_head.weight, mask)
+        return centroid_argmax_fused(mask, hidden_states, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())

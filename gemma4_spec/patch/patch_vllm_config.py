@@ -2,10 +2,10 @@
 
 Wraps: the property ``vllm.config.vllm.VllmConfig.use_v2_model_runner``. From vLLM 0.26 on, a
 GPU engine runs Gemma 4 on Model Runner V2, which drafts with its own speculator and never
-instantiates a V1 proposer: the plugin would silently not be used. When the engine's speculative
-method is gemma4_mtp and ``VLLM_USE_V2_MODEL_RUNNER`` is unset, the property answers False, and
-the first time it does in a process we log it. An explicit ``VLLM_USE_V2_MODEL_RUNNER=1`` is
-rejected before any engine starts (``checks.check_model_runner``).
+instantiates a V1 proposer: the plugin would silently not be used. When the engine drafts with
+gemma4_mtp (``SpeculativeConfig.use_gemma4_mtp()``) and ``VLLM_USE_V2_MODEL_RUNNER`` is unset,
+the property answers False, and the first time it does in a process we log it. An explicit
+``VLLM_USE_V2_MODEL_RUNNER=1`` is rejected before any engine starts (``checks.check_model_runner``).
 vLLM versions: 0.26 - 0.33 (the property reads the same environment variable in all of them).
 """
 
@@ -38,14 +38,25 @@ def apply(config_module: ModuleType) -> None:
 
     @functools.wraps(decide)
     def use_v2_model_runner(self: Any) -> bool:
-        spec = getattr(self, "speculative_config", None)
-        if getattr(spec, "method", None) != GEMMA4_MTP or explicit_runner_choice() is not None:
+        if not drafts_with_gemma4_mtp(self) or explicit_runner_choice() is not None:
             return decide(self)
         _log_once()
         return False
 
     use_v2_model_runner._gemma4_spec_v1 = True  # type: ignore[attr-defined]
     config_cls.use_v2_model_runner = property(use_v2_model_runner)
+
+
+def drafts_with_gemma4_mtp(vllm_config: Any) -> bool:
+    """vLLM rewrites the method of a gemma4_mtp request to "mtp" (draft model_type
+    "gemma4_mtp"); ``SpeculativeConfig.use_gemma4_mtp()`` says which it is."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return False
+    check = getattr(spec, "use_gemma4_mtp", None)
+    if callable(check):
+        return bool(check())
+    return getattr(spec, "method", None) == GEMMA4_MTP
 
 
 def explicit_runner_choice() -> bool | None:

@@ -22,6 +22,7 @@ What differs from vLLM's generic draft-model flow (``SpecDecodeBaseProposer``):
 from __future__ import annotations
 
 import dataclasses
+import os
 from copy import copy
 
 import torch
@@ -30,6 +31,7 @@ from vllm.config import CUDAGraphMode, VllmConfig, get_layers_from_vllm_config, 
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import Attention
+from vllm.platforms import current_platform
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, UniformTypeKVCacheSpecs
 from vllm.v1.sample.metadata import SamplingMetadata
@@ -38,8 +40,11 @@ from vllm.v1.worker.utils import AttentionGroup
 
 from gemma4_spec.compat import build_drafting_metadata
 from gemma4_spec.log import get_logger
+from gemma4_spec.spec_decode.sampler_graphs import GraphedGreedySampler
 
 logger = get_logger(__name__)
+# Set to 0 to sample drafts eagerly (no CUDA graph of the sampling).
+SAMPLER_GRAPHS_ENV = "GEMMA4_SPEC_SAMPLER_GRAPHS"
 
 
 class Gemma4Proposer(SpecDecodeBaseProposer):
@@ -47,13 +52,28 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         super().__init__(vllm_config, device, pass_hidden_states_to_model=True, runner=runner)
         # KV cache group id -> that group's block table for the current step (set by the runner).
         self._block_tables: dict[int, torch.Tensor] = {}
+        # Greedy sampling from CUDA graphs, captured with the runner's drafter graphs.
+        self.sampler: GraphedGreedySampler | None = None
 
     # The runner hands over each KV cache group's block table before proposing.
     def set_per_group_block_table(self, gid: int, block_table: torch.Tensor) -> None:
         self._block_tables[gid] = block_table
 
     def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.sampler is not None:
+            return self.sampler(hidden_states)
         return self.model.get_top_tokens(hidden_states)
+
+    def _capture_sampler(self, num_tokens: int) -> None:
+        if self.device.type != "cuda" or os.environ.get(SAMPLER_GRAPHS_ENV, "1") == "0":
+            return
+        if self.sampler is None:
+            head = self.model.lm_head.weight
+            self.sampler = GraphedGreedySampler(
+                self.model.get_top_tokens, head.shape[1], head.dtype, self.device
+            )
+        self.sampler.capture(num_tokens, pool=current_platform.get_global_graph_pool())
+        logger.debug("gemma4_spec: captured greedy draft sampling for %d tokens", num_tokens)
 
     def propose(
         self,
@@ -155,6 +175,8 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         slot_mapping = self._get_slot_mapping(num_input_tokens)
         for _ in range(steps):
             self._draft_step(None, num_input_tokens, tokens_across_dp, mode, slot_mapping)
+        if is_graph_capturing and mode != CUDAGraphMode.NONE:
+            self._capture_sampler(num_input_tokens)
 
     def _draft_step(
         self,

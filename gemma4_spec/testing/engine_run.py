@@ -50,6 +50,11 @@ class RunResult:
     # The class vLLM's runner module instantiates for gemma4_mtp in this process (ours when the
     # plugin is active, vLLM's own otherwise); None if the runner ran in another process.
     proposer_class: str | None = None
+    # What the worker actually ran: its model runner's and drafter's classes, and the batch
+    # sizes whose greedy draft sampling our proposer captured in CUDA graphs.
+    runner_class: str | None = None
+    drafter_class: str | None = None
+    sampler_graph_sizes: list[int] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
@@ -113,10 +118,29 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     result.spec_metrics = _spec_metrics(llm.get_metrics())
     runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
     if runner is not None:
-        cls = runner.Gemma4Proposer
-        result.proposer_class = f"{cls.__module__}.{cls.__qualname__}"
+        result.proposer_class = _class_path(runner.Gemma4Proposer)
+    (worker,) = llm.collective_rpc(_worker_facts)
+    result.runner_class = worker["runner_class"]
+    result.drafter_class = worker["drafter_class"]
+    result.sampler_graph_sizes = worker["sampler_graph_sizes"]
     del llm
     return result
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _worker_facts(worker: Any) -> dict[str, Any]:
+    """Runs in the worker (``LLM.collective_rpc``): which runner and drafter it uses."""
+    runner = getattr(worker, "model_runner", None)
+    drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
+    sampler = getattr(drafter, "sampler", None)
+    return {
+        "runner_class": None if runner is None else _class_path(type(runner)),
+        "drafter_class": None if drafter is None else _class_path(type(drafter)),
+        "sampler_graph_sizes": list(getattr(sampler, "captured_sizes", [])),
+    }
 
 
 def _spec_metrics(metrics: list[Any]) -> dict[str, Any]:

@@ -1,0 +1,215 @@
+"""End-to-end decode step time on a GPU: no speculation vs vLLM's in-tree gemma4_mtp vs ours.
+
+E2B-shaped random weights (``gemma4_spec.testing.e2b_shaped``), bf16, CUDA graphs, greedy,
+128-token random prompts, 128 new tokens, batch sizes and k as given. Random weights accept
+(almost) no drafts, so every step yields one token per sequence and the ratio of a speculative
+step to a plain step is the pure cost of speculating; it must stay small for speculation to pay
+off with a real assistant. Every configuration is its own engine process (``VLLM_PLUGINS`` picks
+ours or the in-tree one); they start together, then are timed one at a time.
+
+    python benchmarks/e2e_decode.py --workdir /tmp/e2b --batch 1,8,32 --k 2,4 --json e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT_LEN = 128
+NEW_TOKENS = 128
+REPEATS = 3
+ENGINE = dict(
+    dtype="bfloat16",
+    skip_tokenizer_init=True,
+    max_model_len=512,
+    max_num_seqs=32,
+    enable_prefix_caching=False,
+    kv_cache_memory_bytes=4 << 30,
+    gpu_memory_utilization=0.2,  # the start-up free-memory check; engines run side by side
+    attention_config={"backend": "TRITON_ATTN"},
+    disable_log_stats=False,
+)
+
+
+def configurations(ks: list[int]) -> dict[str, dict[str, Any]]:
+    """name -> environment and speculative config of one engine."""
+    configs: dict[str, dict[str, Any]] = {
+        "plain (V2, vLLM default)": {"env": {"VLLM_PLUGINS": "none"}, "k": 0},
+        "plain (V1)": {"env": {"VLLM_PLUGINS": "none", "VLLM_USE_V2_MODEL_RUNNER": "0"}, "k": 0},
+    }
+    for k in ks:
+        configs[f"in-tree k={k} (V2)"] = {"env": {"VLLM_PLUGINS": "none"}, "k": k}
+        configs[f"ours k={k} (V1)"] = {"env": {}, "k": k}
+    return configs
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One engine: start, say ready, wait for go, time every batch size, write results."""
+    from vllm import LLM, SamplingParams
+
+    control = Path(args.control)
+    kwargs: dict[str, Any] = dict(ENGINE, model=str(Path(args.workdir) / "target"))
+    if args.spec_tokens:
+        kwargs["speculative_config"] = {
+            "method": "gemma4_mtp",
+            "model": str(Path(args.workdir) / "assistant"),
+            "num_speculative_tokens": args.spec_tokens,
+        }
+    llm = LLM(**kwargs)
+    rng = random.Random(0)
+    batches = [int(b) for b in args.batch.split(",")]
+    prompts = {
+        b: [{"prompt_token_ids": [rng.randrange(10, 262_000) for _ in range(PROMPT_LEN)]}
+            for _ in range(b)]
+        for b in batches
+    }  # fmt: skip
+
+    def run(batch: int, tokens: int) -> float:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts[batch], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    for b in batches:  # warm-up
+        run(b, 8)
+    (control / f"{args.index}.ready").touch()
+    while not (control / f"{args.index}.go").exists():
+        time.sleep(0.2)
+
+    results: dict[str, Any] = {}
+    for b in batches:
+        before = _spec_counters(llm)
+        step_ms = []
+        for _ in range(REPEATS):
+            prefill = run(b, 1)
+            full = run(b, 1 + NEW_TOKENS)
+            step_ms.append((full - prefill) / NEW_TOKENS * 1e3)
+        after = _spec_counters(llm)
+        drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
+        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        results[str(b)] = {
+            "step_ms": statistics.median(step_ms),
+            "step_ms_all": step_ms,
+            "acceptance_rate": accepted / drafted if drafted else None,
+        }
+    Path(args.out).write_text(json.dumps(results))
+    (control / f"{args.index}.done").touch()
+
+
+def _spec_counters(llm: Any) -> dict[str, float]:
+    found = {"num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in found:
+            found[name] = float(metric.value)
+    return found
+
+
+def _build(workdir: str) -> None:
+    from gemma4_spec.testing.e2b_shaped import build_e2b_shaped_pair
+
+    build_e2b_shaped_pair(workdir)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", default="/tmp/e2b-shaped")
+    parser.add_argument("--batch", default="1,8,32")
+    parser.add_argument("--k", default="2,4")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--only", default=None, help="comma-separated name prefixes to run")
+    parser.add_argument("--start-timeout", type=float, default=420)
+    # internal: worker mode
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--control", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--spec-tokens", type=int, default=0, help=argparse.SUPPRESS)
+    args, _ = parser.parse_known_args()
+    if args.build:
+        _build(args.workdir)
+        return 0
+    if args.worker:
+        _worker(args)
+        return 0
+
+    started = time.perf_counter()
+    subprocess.run([sys.executable, __file__, "--build", "--workdir", args.workdir], check=True)
+    print(f"checkpoints ready in {time.perf_counter() - started:.0f} s", flush=True)
+    configs = configurations([int(k) for k in args.k.split(",")])
+    if args.only:
+        wanted = args.only.split(",")
+        configs = {n: c for n, c in configs.items() if any(n.startswith(w) for w in wanted)}
+    control = Path(args.workdir) / "control"
+    control.mkdir(parents=True, exist_ok=True)
+    for stale in control.iterdir():
+        stale.unlink()
+    procs = []
+    for i, (name, config) in enumerate(configs.items()):
+        env = dict(os.environ, **config["env"])
+        if "VLLM_PLUGINS" not in config["env"]:
+            env.pop("VLLM_PLUGINS", None)
+        env["VLLM_CACHE_ROOT"] = str(Path(args.workdir) / f"cache-{i}")  # no compile-cache races
+        log = open(Path(args.workdir) / f"engine-{i}.log", "w")  # noqa: SIM115
+        cmd = [sys.executable, __file__, "--worker", "--workdir", args.workdir, "--control",
+               str(control), "--index", str(i), "--out", str(control / f"{i}.json"),
+               "--batch", args.batch, "--spec-tokens", str(config["k"])]  # fmt: skip
+        procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
+
+    deadline = time.monotonic() + args.start_timeout
+    for i, (name, proc) in enumerate(procs):
+        while not (control / f"{i}.ready").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                for _, other in procs:
+                    other.kill()
+                tail = (Path(args.workdir) / f"engine-{i}.log").read_text()[-6000:]
+                raise SystemExit(f"engine '{name}' did not start:\n{tail}")
+            time.sleep(1)
+    print(f"all engines ready after {time.perf_counter() - started:.0f} s", flush=True)
+
+    results: dict[str, Any] = {}
+    for i, (name, proc) in enumerate(procs):
+        (control / f"{i}.go").touch()
+        proc.wait(timeout=600)
+        if proc.returncode != 0:
+            tail = (Path(args.workdir) / f"engine-{i}.log").read_text()[-6000:]
+            raise SystemExit(f"engine '{name}' failed:\n{tail}")
+        results[name] = json.loads((control / f"{i}.json").read_text())
+
+    _print_table(results)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"new_tokens": NEW_TOKENS, "prompt_len": PROMPT_LEN, "results": results},
+                       indent=2)
+        )  # fmt: skip
+    return 0
+
+
+def _print_table(results: dict[str, Any]) -> None:
+    base_name = next((n for n in results if n.startswith("plain (V2")), next(iter(results)))
+    batches = list(results[base_name])
+    print(f"\ndecode step time, ms (ratio to '{base_name}'); acceptance on random weights")
+    print(f"{'configuration':28}" + "".join(f"{'B=' + b:>22}" for b in batches))
+    for name, per_batch in results.items():
+        cells = []
+        for b in batches:
+            ms = per_batch[b]["step_ms"]
+            ratio = ms / results[base_name][b]["step_ms"]
+            acc = per_batch[b]["acceptance_rate"]
+            cells.append(
+                f"{ms:7.3f} ({ratio:4.2f}x)" + (f" a={acc:.2f}" if acc is not None else "")
+            )
+        print(f"{name:28}" + "".join(f"{c:>22}" for c in cells))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

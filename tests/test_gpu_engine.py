@@ -1,0 +1,95 @@
+"""The plugin on a CUDA GPU, with CUDA graphs: vLLM's V1 runner is selected for gemma4_mtp, our
+proposer drafts, its greedy sampling is replayed from captured graphs, and greedy output equals
+decoding without speculation, token for token (float32).
+
+Skipped without CUDA (CI and the CPU machines); run on the GPU machine (see benchmarks/results/
+for the commands and outputs). The tiny assistant is 64 wide over a 128-wide target: like every
+real assistant, its width differs from the target's, where vLLM 0.26's own V1 path keeps the
+draft's embedding and fails to start (vllm#47794); ours attaches the target's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gemma4_spec.testing.engine_run import PLUGIN_PROPOSER, RunConfig, generate_in_subprocess
+from gemma4_spec.testing.kv_norms import add_missing_k_norms
+from gemma4_spec.testing.tiny import (
+    build_tiny_assistant,
+    build_tiny_e2b_like_target,
+    build_tiny_pair,
+)
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+# TRITON_ATTN runs on every CUDA GPU vLLM supports (vLLM's own pick on an H200 may need extra
+# packages); a fixed KV budget skips memory profiling.
+GPU_ENGINE = {"attention_config": {"backend": "TRITON_ATTN"}, "kv_cache_memory_bytes": 1 << 30}
+PROMPT_LENGTHS = (3, 9, 21, 40, 70)
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):  # type: ignore[no-untyped-def]
+    # All engines of the one process on the V1 runner (ours selects it; the plain runs are told
+    # to): vLLM 0.26 keeps process-global CUDA-graph state that a V1 engine leaves unfit for a
+    # later V2 engine in the same process ("CUDA graph capturing detected at an inappropriate
+    # time"). Greedy float32 output does not depend on the runner.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    root = tmp_path_factory.mktemp("gpu")
+    target, assistant = build_tiny_pair(root, centroids=True, style="copy")
+    e2b = build_tiny_e2b_like_target(root / "e2b", multimodal=False)
+    add_missing_k_norms(e2b)  # vLLM 0.26 wants one on the KV-shared layers too
+    e2b_assistant = build_tiny_assistant(root / "e2b-assistant", e2b, centroids=True)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
+    configs = {}
+    for name, tgt, drafter in (("tiny", target, assistant), ("e2b", e2b, e2b_assistant)):
+        common = dict(
+            target=str(tgt),
+            prompts=prompts,
+            max_tokens=MAX_TOKENS,
+            enforce_eager=False,
+            extra_engine_kwargs=GPU_ENGINE,
+        )
+        configs[f"{name}-plain"] = RunConfig(**common)
+        configs[f"{name}-ours"] = RunConfig(
+            **common, assistant=str(drafter), num_speculative_tokens=3
+        )
+    try:
+        results = generate_in_subprocess(list(configs.values()))
+    finally:
+        mp.undo()
+    return dict(zip(configs, results, strict=True))
+
+
+@pytest.mark.parametrize("target", ["tiny", "e2b"])
+def test_greedy_output_equals_plain_decoding(runs, target: str) -> None:  # type: ignore[no-untyped-def]
+    plain, ours = runs[f"{target}-plain"], runs[f"{target}-ours"]
+    assert ours.token_ids == plain.token_ids
+    metrics = ours.spec_metrics
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert (
+        metrics["vllm:spec_decode_num_draft_tokens"] == 3 * metrics["vllm:spec_decode_num_drafts"]
+    )
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == metrics["vllm:spec_decode_num_accepted_tokens"]
+
+
+@pytest.mark.parametrize("target", ["tiny", "e2b"])
+def test_v1_runner_our_proposer_and_graphed_sampling(runs, target: str) -> None:  # type: ignore[no-untyped-def]
+    ours = runs[f"{target}-ours"]
+    assert ours.runner_class == V1_RUNNER
+    assert ours.drafter_class == PLUGIN_PROPOSER
+    # The runner captures drafter graphs for a range of batch sizes (from k + 1 up); our
+    # sampler is captured for each of them, so this batch replays one.
+    sizes = ours.sampler_graph_sizes
+    assert len(sizes) > 1 and min(sizes) <= len(PROMPT_LENGTHS) <= max(sizes)
