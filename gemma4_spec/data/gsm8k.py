@@ -30,9 +30,14 @@ class Problem:
 
 
 def gsm8k_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The folder holding ``train.jsonl`` and ``test.jsonl``; a clear error when there is none."""
-    candidates = [Path(p) for p in (explicit, os.environ.get(ENV_VAR)) if p]
-    candidates.append(_BESIDE_CHECKOUT)
+    """The folder holding ``train.jsonl`` and ``test.jsonl``; a clear error when there is none.
+
+    A folder given explicitly is the only one looked at (no silent fallback to another)."""
+    if explicit:
+        candidates = [Path(explicit)]
+    else:
+        candidates = [Path(p) for p in (os.environ.get(ENV_VAR),) if p]
+        candidates.append(_BESIDE_CHECKOUT)
     for folder in candidates:
         if (folder / "test.jsonl").is_file() or (folder / "train.jsonl").is_file():
             return folder

@@ -1,0 +1,43 @@
+"""Finding and reading GSM8k: the shared copy, an explicit folder, and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gemma4_spec.data import gsm8k
+
+
+def test_reads_the_shared_copy() -> None:
+    problems = gsm8k.load("test", limit=3)
+    assert len(problems) == 3
+    assert problems[0].final_answer == "18"  # Janet's ducks
+
+
+def test_explicit_folder_without_data_is_an_error_not_a_fallback(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="--gsm8k"):
+        gsm8k.gsm8k_dir(tmp_path)
+
+
+def test_explicit_folder_is_read(tmp_path: Path) -> None:
+    row = {"question": "1+1?", "answer": "1+1=<<1+1=2>>2\n#### 2"}
+    (tmp_path / "test.jsonl").write_text(json.dumps(row) + "\n")
+    (problem,) = gsm8k.load("test", folder=tmp_path)
+    assert problem.question == "1+1?" and problem.final_answer == "2"
+    with pytest.raises(FileNotFoundError, match="no train split"):
+        gsm8k.load("train", folder=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("so #### 1,234", "1234"), ("#### -3.5", "-3.5"), ("#### 1\n#### 7", "7"), ("none", None)],
+)
+def test_final_answer(text: str, expected: str | None) -> None:
+    assert gsm8k.final_answer(text) == expected
+
+
+def test_unknown_split() -> None:
+    with pytest.raises(ValueError, match="split"):
+        gsm8k.load("validation")
