@@ -164,18 +164,34 @@ def _timing_dict(timing: Timing) -> dict[str, float]:
 
 
 def check_config(config: ReportConfig) -> None:
-    """Reject bad input before any engine starts."""
+    """Reject bad input before any engine starts: counts below 1, a missing checkpoint folder,
+    an assistant that does not fit the target (``gemma4_spec.validation.validate_pair``)."""
     for name in ("k", "num_prompts", "max_tokens", "batch_size"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(config, name)}")
     for role in ("target", "assistant"):
         where = getattr(config, role)
-        path = Path(where).expanduser()
-        if path.is_dir():
-            if not (path / "config.json").is_file():
-                raise FileNotFoundError(f"{role} {where} has no config.json")
-        elif path.exists() or not _HUB_ID.match(where):
-            raise FileNotFoundError(f"{role} {where} is not a checkpoint folder or a hub id")
+        if _is_local(where) and not (Path(where).expanduser() / "config.json").is_file():
+            raise FileNotFoundError(f"{role} {where} is not a checkpoint folder (no config.json)")
+    from transformers import AutoConfig
+
+    from gemma4_spec.validation import validate_pair
+
+    validate_pair(
+        AutoConfig.from_pretrained(config.target), AutoConfig.from_pretrained(config.assistant)
+    )
+
+
+def _is_local(where: str) -> bool:
+    """A local path rather than a hub id (``org/name``): absolute, relative with ``.``/``~``, or
+    starting with a folder that exists here."""
+    path = Path(where).expanduser()
+    return (
+        path.exists()
+        or not _HUB_ID.match(where)
+        or where.startswith((".", "~"))
+        or Path(path.parts[0]).is_dir()
+    )
 
 
 def chat_prompts(target: str, questions: Sequence[str]) -> list[list[int]]:

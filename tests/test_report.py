@@ -13,6 +13,7 @@ from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.cli import main
 from gemma4_spec.report import JSON_NAME, PNG_NAME, Acceptance
 from gemma4_spec.testing.engine_run import SPEC_PREFIX
+from gemma4_spec.validation import AssistantMismatchError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -43,13 +44,19 @@ def test_acceptance_of_a_run_without_drafts() -> None:
     assert (acc.acceptance_rate, acc.mean_accepted_length) == (0.0, 1.0)
 
 
-def test_missing_assistant_is_rejected_before_any_engine(tmp_path: Path) -> None:
+def test_missing_assistant_is_rejected_before_any_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
     target = tmp_path / "target"  # only its config.json is looked at
     target.mkdir()
     (target / "config.json").write_text("{}")
     missing = tmp_path / "no-such-assistant"
     with pytest.raises(FileNotFoundError, match="no-such-assistant"):
         main(["report", "--target", str(target), "--assistant", str(missing)])
+    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
+        # looks like a hub id, but its first folder is here: a local path that is missing
+        main(["report", "--target", str(target), "--assistant", "target/no-such-assistant"])
     with pytest.raises(ValueError, match="k must be at least 1"):
         main(["report", "--target", str(target), "--assistant", str(target), "--k", "0"])
 
@@ -100,3 +107,9 @@ def test_report_on_the_shipped_pair(tmp_path: Path) -> None:
     import matplotlib.image
 
     assert matplotlib.image.imread(png).shape[:2] > (100, 100)  # decodes as an image
+
+
+def test_an_assistant_that_does_not_fit_is_rejected_before_any_engine() -> None:
+    target, _ = tiny_gsm8k_pair()
+    with pytest.raises(AssistantMismatchError):
+        main(["report", "--target", str(target), "--assistant", str(target)])
