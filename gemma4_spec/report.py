@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemma4_spec.testing.engine_run import SPEC_PREFIX, RunConfig, engine_kwargs
+from gemma4_spec.metrics import Acceptance, spec_metrics
+from gemma4_spec.testing.engine_run import RunConfig, engine_kwargs
 
 JSON_NAME = "acceptance.json"
 PNG_NAME = "acceptance.png"
@@ -41,60 +42,6 @@ class ReportConfig:
     dtype: str = "float32"
     batch_size: int = 1
     gsm8k: str | None = None  # GSM8k folder; None: gemma4_spec.data.gsm8k's default search
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """Speculation figures from vLLM's spec-decode counters over a run."""
-
-    num_drafts: int  # drafting steps (target steps that verified a draft)
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: list[int]  # [k]: drafts whose token i (0-based) was accepted
-
-    @classmethod
-    def between(cls, before: dict[str, Any], after: dict[str, Any]) -> Acceptance:
-        """The counters' growth from ``before`` to ``after`` (``engine_run`` metric dicts)."""
-
-        def grown(name: str) -> int:
-            return int(after.get(SPEC_PREFIX + name, 0)) - int(before.get(SPEC_PREFIX + name, 0))
-
-        name = SPEC_PREFIX + "num_accepted_tokens_per_pos"
-        now, then = after.get(name, []), before.get(name, [])
-        then = list(then) + [0] * (len(now) - len(then))
-        return cls(
-            num_drafts=grown("num_drafts"),
-            num_draft_tokens=grown("num_draft_tokens"),
-            num_accepted_tokens=grown("num_accepted_tokens"),
-            accepted_per_position=[int(a) - int(b) for a, b in zip(now, then, strict=True)],
-        )
-
-    @property
-    def rate_per_position(self) -> list[float]:
-        """P(draft token i accepted) per drafting step; non-increasing, since acceptance stops
-        at the first rejected token."""
-        d = self.num_drafts
-        return [n / d if d else 0.0 for n in self.accepted_per_position]
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Accepted draft tokens / drafted tokens."""
-        d = self.num_draft_tokens
-        return self.num_accepted_tokens / d if d else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per target step: the target's own token plus the accepted drafts."""
-        d = self.num_drafts
-        return 1.0 + self.num_accepted_tokens / d if d else 1.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            **asdict(self),
-            "rate_per_position": self.rate_per_position,
-            "acceptance_rate": self.acceptance_rate,
-            "mean_accepted_length": self.mean_accepted_length,
-        }
 
 
 @dataclass
@@ -220,9 +167,7 @@ def gsm8k_questions(num_prompts: int, folder: str | None = None) -> list[str]:
 
 
 def _spec_counters(llm: Any) -> dict[str, Any]:
-    from gemma4_spec.testing.engine_run import _spec_metrics
-
-    return _spec_metrics(llm.get_metrics())
+    return spec_metrics(llm.get_metrics())
 
 
 def _run_engine(

@@ -20,9 +20,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.data import gsm8k
+from gemma4_spec.metrics import SPEC_PREFIX
 from gemma4_spec.testing.engine_run import (
     PLUGIN_PROPOSER,
-    SPEC_PREFIX,
     RunConfig,
     RunResult,
     generate_in_subprocess,
@@ -103,7 +103,7 @@ def test_real_checkpoints_gsm8k_five_shot(report_figure: Callable[[str], None]) 
     """Run in this process (it needs a real accelerator or a large CPU machine)."""
     from vllm import LLM, SamplingParams
 
-    from gemma4_spec.testing.engine_run import _spec_metrics
+    from gemma4_spec.metrics import spec_metrics
 
     target, assistant = os.environ[TARGET_ENV], os.environ[ASSISTANT_ENV]
     shots = gsm8k.load("train", limit=NUM_SHOTS)
@@ -128,7 +128,7 @@ def test_real_checkpoints_gsm8k_five_shot(report_figure: Callable[[str], None]) 
         ],
         SamplingParams(temperature=0.0, max_tokens=REAL_MAX_TOKENS),
     )
-    result = RunResult(token_ids=[], spec_metrics=_spec_metrics(llm.get_metrics()))
+    result = RunResult(token_ids=[], spec_metrics=spec_metrics(llm.get_metrics()))
     correct = sum(
         gsm8k.final_answer(out.outputs[0].text) == problem.final_answer
         for out, problem in zip(outputs, problems, strict=True)

@@ -11,8 +11,8 @@ import pytest
 
 from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.cli import main
-from gemma4_spec.report import JSON_NAME, PNG_NAME, Acceptance
-from gemma4_spec.testing.engine_run import SPEC_PREFIX
+from gemma4_spec.metrics import SPEC_PREFIX, Acceptance
+from gemma4_spec.report import JSON_NAME, PNG_NAME
 from gemma4_spec.validation import AssistantMismatchError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SPEC_PREFIX = "vllm:spec_decode_"
+from gemma4_spec.metrics import Acceptance, spec_metrics
+
 # Values of RunResult.proposer_class: this plugin's proposer, and vLLM's own.
 PLUGIN_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
 IN_TREE_PROPOSER = "vllm.v1.spec_decode.gemma4.Gemma4Proposer"
@@ -57,17 +58,17 @@ class RunResult:
     sampler_graph_sizes: list[int] = field(default_factory=list)
 
     @property
+    def acceptance(self) -> Acceptance:
+        return Acceptance.of(self.spec_metrics)
+
+    @property
     def acceptance_rate(self) -> float:
-        drafted = self.spec_metrics.get(SPEC_PREFIX + "num_draft_tokens", 0)
-        accepted = self.spec_metrics.get(SPEC_PREFIX + "num_accepted_tokens", 0)
-        return accepted / drafted if drafted else 0.0
+        return self.acceptance.acceptance_rate
 
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens produced per target step: 1 + accepted drafts per drafting step."""
-        drafts = self.spec_metrics.get(SPEC_PREFIX + "num_drafts", 0)
-        accepted = self.spec_metrics.get(SPEC_PREFIX + "num_accepted_tokens", 0)
-        return 1.0 + accepted / drafts if drafts else 1.0
+        return self.acceptance.mean_accepted_length
 
 
 def engine_kwargs(config: RunConfig, *, single_process: bool = False) -> dict[str, Any]:
@@ -115,7 +116,7 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
         [{"prompt_token_ids": p} for p in config.prompts], params, use_tqdm=False
     )
     result = RunResult(token_ids=[list(o.outputs[0].token_ids) for o in outputs])
-    result.spec_metrics = _spec_metrics(llm.get_metrics())
+    result.spec_metrics = spec_metrics(llm.get_metrics())
     runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
     if runner is not None:
         result.proposer_class = _class_path(runner.Gemma4Proposer)
@@ -141,15 +142,6 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "drafter_class": None if drafter is None else _class_path(type(drafter)),
         "sampler_graph_sizes": list(getattr(sampler, "captured_sizes", [])),
     }
-
-
-def _spec_metrics(metrics: list[Any]) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    for metric in metrics:
-        if not metric.name.startswith(SPEC_PREFIX):
-            continue
-        found[metric.name] = list(metric.values) if hasattr(metric, "values") else metric.value
-    return found
 
 
 def generate_in_subprocess(
