@@ -53,6 +53,10 @@ def configurations(ks: list[int]) -> dict[str, dict[str, Any]]:
 
 def _worker(args: argparse.Namespace) -> None:
     """One engine: start, say ready, wait for go, time every batch size, write results."""
+    import faulthandler
+
+    # If start-up hangs, the log shows where every thread was (the engine runs in this process).
+    faulthandler.dump_traceback_later(args.start_timeout - 15, exit=False)
     from vllm import LLM, SamplingParams
 
     control = Path(args.control)
@@ -80,6 +84,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     for b in batches:  # warm-up
         run(b, 8)
+    faulthandler.cancel_dump_traceback_later()
     (control / f"{args.index}.ready").touch()
     while not (control / f"{args.index}.go").exists():
         time.sleep(0.2)
@@ -159,10 +164,14 @@ def main() -> int:
         if "VLLM_PLUGINS" not in config["env"]:
             env.pop("VLLM_PLUGINS", None)
         env["VLLM_CACHE_ROOT"] = str(Path(args.workdir) / f"cache-{i}")  # no compile-cache races
+        # Engine core in the worker process, as in tests/test_gpu_engine.py (which passed on the
+        # H200): a multiprocess start of ours hung there once before loading weights.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         log = open(Path(args.workdir) / f"engine-{i}.log", "w")  # noqa: SIM115
         cmd = [sys.executable, __file__, "--worker", "--workdir", args.workdir, "--control",
                str(control), "--index", str(i), "--out", str(control / f"{i}.json"),
-               "--batch", args.batch, "--spec-tokens", str(config["k"])]  # fmt: skip
+               "--batch", args.batch, "--spec-tokens", str(config["k"]),
+               "--start-timeout", str(args.start_timeout)]  # fmt: skip
         procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
 
     deadline = time.monotonic() + args.start_timeout
