@@ -316,3 +316,28 @@ def test_explicit_v2_runner_is_rejected_before_start(monkeypatch: pytest.MonkeyP
         check_model_runner()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     check_model_runner()
+
+
+# --- compat: the one API difference between vLLM 0.26 and 0.32 that we meet -----------------
+
+
+def test_drafting_metadata_on_either_vllm() -> None:
+    calls: list[tuple[str, Any, int]] = []
+
+    class Builder:  # vLLM 0.26: the group's metadata builder builds drafting metadata
+        def build_for_drafting(self, common_attn_metadata: Any, draft_index: int) -> str:
+            calls.append(("builder", common_attn_metadata, draft_index))
+            return "from-builder"
+
+    class Group026:
+        def get_metadata_builder(self) -> Builder:
+            return Builder()
+
+    class Group032(Group026):  # vLLM >= 0.32: the group itself does (and maps block tables)
+        def build_metadata_for_drafting(self, common_attn_metadata: Any, draft_index: int) -> str:
+            calls.append(("group", common_attn_metadata, draft_index))
+            return "from-group"
+
+    assert compat.build_drafting_metadata(Group026(), "meta", 0) == "from-builder"
+    assert compat.build_drafting_metadata(Group032(), "meta", 2) == "from-group"
+    assert calls == [("builder", "meta", 0), ("group", "meta", 2)]

@@ -11,6 +11,8 @@ What differs from vLLM's generic draft-model flow (``SpecDecodeBaseProposer``):
   embedding is used only as the draft's own lm_head. Whatever the base class decides about
   sharing, we attach the target's embedding ourselves (vLLM 0.26's base class keeps the draft's
   embedding when the widths differ: vllm#47794).
+* With a quantized KV cache, each draft layer reads the target's cache with that target layer's
+  K/V scales (``kv_scales.py``).
 * Greedy drafting goes through the model's ``get_top_tokens`` (centroid-masked argmax without a
   full-vocabulary tensor when the assistant uses centroids).
 * ``propose`` runs every draft step on one query per request. The base class first runs the
@@ -40,6 +42,7 @@ from vllm.v1.worker.utils import AttentionGroup
 
 from gemma4_spec.compat import build_drafting_metadata
 from gemma4_spec.log import get_logger
+from gemma4_spec.spec_decode.kv_scales import share_kv_scales
 from gemma4_spec.spec_decode.sampler_graphs import GraphedGreedySampler
 
 logger = get_logger(__name__)
@@ -245,6 +248,11 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
             )
         self.model.model.embed_tokens = embed
         logger.info("gemma4_spec: the assistant embeds its input with the target's embedding.")
+
+    def load_model(self, target_model: nn.Module) -> None:
+        super().load_model(target_model)
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention)
+        share_kv_scales(self._draft_attn_layer_names, layers)
 
     def _maybe_share_lm_head(self, target_language_model: nn.Module) -> None:
         """The assistant keeps its own draft-width lm_head (the target's is backbone-width)."""
