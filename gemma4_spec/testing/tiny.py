@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from gemma4_spec.training.clustering import balanced_assign
 from gemma4_spec.validation import FULL_ATTENTION as FULL
 from gemma4_spec.validation import SLIDING_ATTENTION as SLIDING
 from gemma4_spec.validation import layer_attention_shape
@@ -357,27 +358,14 @@ def _balanced_clusters(
     size = vocab // num_clusters
     rows = torch.nn.functional.normalize(embed, dim=-1)
     centres = torch.nn.functional.normalize(torch.randn(num_clusters, dim, generator=gen), dim=-1)
-    members: list[list[int]] = []
+    members: list[torch.Tensor] = []
     for _ in range(3):
-        order = torch.argsort((rows @ centres.T).flatten(), descending=True, stable=True).tolist()
-        members = [[] for _ in range(num_clusters)]
-        assigned = [False] * vocab
-        left = vocab
-        for flat in order:
-            token, cluster = divmod(flat, num_clusters)
-            if assigned[token] or len(members[cluster]) == size:
-                continue
-            assigned[token] = True
-            members[cluster].append(token)
-            left -= 1
-            if left == 0:
-                break
+        assignment = balanced_assign(rows @ centres.T, size)
+        members = [torch.nonzero(assignment == c).flatten() for c in range(num_clusters)]
         centres = torch.nn.functional.normalize(
             torch.stack([rows[m].mean(0) for m in members]), dim=-1
         )
-    ordering = torch.cat(
-        [torch.tensor(m)[torch.randperm(size, generator=gen)] for m in members]
-    ).long()
+    ordering = torch.cat([m[torch.randperm(size, generator=gen)] for m in members]).long()
     return ordering, centres
 
 

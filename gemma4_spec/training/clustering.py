@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 
-def _balanced_assign(scores: torch.Tensor, size: int) -> torch.Tensor:
+def balanced_assign(scores: torch.Tensor, size: int) -> torch.Tensor:
     """Cluster of each row, at most ``size`` rows per cluster: greedy over the best scores."""
     rows, clusters = scores.shape
     assignment = torch.full((rows,), -1, dtype=torch.long)
@@ -43,10 +43,10 @@ def balanced_kmeans(
     size = count // num_clusters
     unit = torch.nn.functional.normalize(vectors.float(), dim=-1)
     centres = unit[torch.randperm(count, generator=generator)[:num_clusters]]
-    assignment = _balanced_assign(unit @ centres.T, size)
+    assignment = balanced_assign(unit @ centres.T, size)
     for _ in range(iterations):
         sums = torch.zeros_like(centres).index_add_(0, assignment, unit)
         centres = torch.nn.functional.normalize(sums, dim=-1)
-        assignment = _balanced_assign(unit @ centres.T, size)
+        assignment = balanced_assign(unit @ centres.T, size)
     ordering = torch.argsort(assignment * count + torch.arange(count), stable=True)
     return ordering, assignment
