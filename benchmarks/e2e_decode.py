@@ -59,6 +59,8 @@ def _worker(args: argparse.Namespace) -> None:
     faulthandler.dump_traceback_later(args.start_timeout - 15, exit=False)
     from vllm import LLM, SamplingParams
 
+    from gemma4_spec.metrics import Acceptance, spec_metrics
+
     control = Path(args.control)
     kwargs: dict[str, Any] = dict(ENGINE, model=str(Path(args.workdir) / "target"))
     if args.spec_tokens:
@@ -91,31 +93,20 @@ def _worker(args: argparse.Namespace) -> None:
 
     results: dict[str, Any] = {}
     for b in batches:
-        before = _spec_counters(llm)
+        before = spec_metrics(llm.get_metrics())
         step_ms = []
         for _ in range(REPEATS):
             prefill = run(b, 1)
             full = run(b, 1 + NEW_TOKENS)
             step_ms.append((full - prefill) / NEW_TOKENS * 1e3)
-        after = _spec_counters(llm)
-        drafted = after["num_draft_tokens"] - before["num_draft_tokens"]
-        accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+        acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
         results[str(b)] = {
             "step_ms": statistics.median(step_ms),
             "step_ms_all": step_ms,
-            "acceptance_rate": accepted / drafted if drafted else None,
+            "acceptance_rate": acc.acceptance_rate if acc.num_draft_tokens else None,
         }
     Path(args.out).write_text(json.dumps(results))
     (control / f"{args.index}.done").touch()
-
-
-def _spec_counters(llm: Any) -> dict[str, float]:
-    found = {"num_draft_tokens": 0.0, "num_accepted_tokens": 0.0}
-    for metric in llm.get_metrics():
-        name = metric.name.removeprefix("vllm:spec_decode_")
-        if name in found:
-            found[name] = float(metric.value)
-    return found
 
 
 def _build(workdir: str) -> None:

@@ -20,7 +20,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.data import gsm8k
-from gemma4_spec.metrics import SPEC_PREFIX
 from gemma4_spec.testing.engine_run import (
     PLUGIN_PROPOSER,
     RunConfig,
@@ -43,15 +42,12 @@ MIN_REAL_ACCURACY = 0.5
 
 
 def _describe(result: RunResult) -> str:
-    metrics = result.spec_metrics
-    drafts = metrics.get(SPEC_PREFIX + "num_drafts", 0)
-    per_pos = metrics.get(SPEC_PREFIX + "num_accepted_tokens_per_pos", [])
-    positions = ", ".join(f"{n / drafts:.3f}" for n in per_pos) if drafts else "-"
+    acc = result.acceptance
+    positions = ", ".join(f"{r:.3f}" for r in acc.rate_per_position) if acc.num_drafts else "-"
     return (
-        f"acceptance rate {result.acceptance_rate:.3f} "
-        f"({metrics.get(SPEC_PREFIX + 'num_accepted_tokens', 0)} of "
-        f"{metrics.get(SPEC_PREFIX + 'num_draft_tokens', 0)} drafted tokens); "
-        f"mean acceptance length {result.mean_acceptance_length:.2f}; "
+        f"acceptance rate {acc.acceptance_rate:.3f} "
+        f"({acc.num_accepted_tokens} of {acc.num_draft_tokens} drafted tokens); "
+        f"mean acceptance length {acc.mean_accepted_length:.2f}; "
         f"accepted by draft position: {positions}"
     )
 
