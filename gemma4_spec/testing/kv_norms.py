@@ -27,12 +27,13 @@ def add_missing_k_norms(path: str | Path, prefix: str = "model.") -> list[str]:
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as handle:
             present.update(handle.keys())
+    dtype = _checkpoint_dtype(text_config)
     missing = {}
     for i in range(text_config.num_hidden_layers):
         name = f"{prefix}layers.{i}.self_attn.k_norm.weight"
         if name not in present:
             head_dim = layer_attention_shape(text_config, i)[1]
-            missing[name] = torch.ones(head_dim, dtype=_checkpoint_dtype(text_config))
+            missing[name] = torch.ones(head_dim, dtype=dtype)
     if not missing:
         return []
     save_file(missing, str(path / SIDE_FILE), metadata={"format": "pt"})
