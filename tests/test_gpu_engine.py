@@ -1,6 +1,7 @@
 """The plugin on a CUDA GPU, with CUDA graphs: vLLM's V1 runner is selected for gemma4_mtp, our
-proposer drafts, its greedy sampling is replayed from captured graphs, and greedy output equals
-decoding without speculation, token for token (float32).
+proposer drafts, its whole draft loop (and, on the step-by-step path, its greedy sampling) is
+replayed from captured graphs, and greedy output equals decoding without speculation, token for
+token (float32).
 
 Skipped without CUDA (CI and the CPU machines); run on the GPU machine (see benchmarks/results/
 for the commands and outputs). The tiny assistant is 64 wide over a 128-wide target: like every
@@ -93,3 +94,13 @@ def test_v1_runner_our_proposer_and_graphed_sampling(runs, target: str) -> None:
     # sampler is captured for each of them, so this batch replays one.
     sizes = ours.sampler_graph_sizes
     assert len(sizes) > 1 and min(sizes) <= len(PROMPT_LENGTHS) <= max(sizes)
+
+
+@pytest.mark.parametrize("target", ["tiny", "e2b"])
+def test_whole_draft_loop_replayed_from_a_graph(runs, target: str) -> None:  # type: ignore[no-untyped-def]
+    # The k steps with their attention and sampling, one graph per (padded batch, k): the
+    # equal-output test above ran through these replays.
+    ours = runs[f"{target}-ours"]
+    assert ours.draft_loop_graphs_off is None
+    assert ours.draft_loop_graphs
+    assert all(k == 3 and size >= 1 for size, k in ours.draft_loop_graphs)

@@ -42,6 +42,7 @@ from vllm.v1.worker.utils import AttentionGroup
 
 from gemma4_spec.compat import build_drafting_metadata
 from gemma4_spec.log import get_logger
+from gemma4_spec.spec_decode.draft_graphs import DraftLoopGraphs
 from gemma4_spec.spec_decode.kv_scales import share_kv_scales
 from gemma4_spec.spec_decode.sampler_graphs import GraphedGreedySampler
 
@@ -57,10 +58,17 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         self._block_tables: dict[int, torch.Tensor] = {}
         # Greedy sampling from CUDA graphs, captured with the runner's drafter graphs.
         self.sampler: GraphedGreedySampler | None = None
+        # Whole greedy draft loops from CUDA graphs (made at the first propose).
+        self.loop_graphs: DraftLoopGraphs | None = None
 
     # The runner hands over each KV cache group's block table before proposing.
     def set_per_group_block_table(self, gid: int, block_table: torch.Tensor) -> None:
         self._block_tables[gid] = block_table
+
+    def block_table_of(self, gid: int, metadata: CommonAttentionMetadata) -> torch.Tensor:
+        """KV cache group ``gid``'s block table this step (the runner's; rows may run past the
+        batch). The group the runner built ``metadata`` for may have none of its own."""
+        return self._block_tables.get(gid, metadata.block_table_tensor)
 
     def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.sampler is not None:
@@ -113,6 +121,14 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         metadata = self._one_query_per_request(
             common_attn_metadata, token_indices_to_sample, num_rejected_tokens_gpu
         )
+        greedy = not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy
+        if greedy:
+            if self.loop_graphs is None:
+                self.loop_graphs = DraftLoopGraphs(self)
+            drafted = self.loop_graphs.draft(batch_size, num_speculative_tokens, metadata)
+            if drafted is not None:
+                return drafted
+
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(metadata)
         mode, num_input_tokens, tokens_across_dp = self._determine_batch_execution_and_padding(
             batch_size
@@ -212,12 +228,10 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         per_group: list[object] = []
         per_layer: dict[str, object] = {}
         for group in self.draft_attn_groups:
-            metadata = common_attn_metadata
-            table = self._block_tables.get(group.kv_cache_group_id)
-            if table is not None:
-                metadata = copy(common_attn_metadata)
-                # The runner's tables may be padded past the drafted batch.
-                metadata.block_table_tensor = table[:batch_size]
+            metadata = copy(common_attn_metadata)
+            # The runner's tables may be padded past the drafted batch.
+            table = self.block_table_of(group.kv_cache_group_id, common_attn_metadata)
+            metadata.block_table_tensor = table[:batch_size]
             built = build_drafting_metadata(group, metadata, draft_index)
             per_group.append(built)
             per_layer.update(dict.fromkeys(group.layer_names, built))

@@ -56,6 +56,10 @@ class RunResult:
     runner_class: str | None = None
     drafter_class: str | None = None
     sampler_graph_sizes: list[int] = field(default_factory=list)
+    # (padded batch size, k) of the whole draft loops it replayed from CUDA graphs, and why it
+    # drafted step by step instead (None if it did not).
+    draft_loop_graphs: list[tuple[int, int]] = field(default_factory=list)
+    draft_loop_graphs_off: str | None = None
 
     @property
     def acceptance(self) -> Acceptance:
@@ -124,6 +128,8 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     result.runner_class = worker["runner_class"]
     result.drafter_class = worker["drafter_class"]
     result.sampler_graph_sizes = worker["sampler_graph_sizes"]
+    result.draft_loop_graphs = [tuple(x) for x in worker["draft_loop_graphs"]]
+    result.draft_loop_graphs_off = worker["draft_loop_graphs_off"]
     del llm
     return result
 
@@ -137,10 +143,13 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
     runner = getattr(worker, "model_runner", None)
     drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
     sampler = getattr(drafter, "sampler", None)
+    loops = getattr(drafter, "loop_graphs", None)
     return {
         "runner_class": None if runner is None else _class_path(type(runner)),
         "drafter_class": None if drafter is None else _class_path(type(drafter)),
         "sampler_graph_sizes": list(getattr(sampler, "captured_sizes", [])),
+        "draft_loop_graphs": [] if loops is None else loops.captured,
+        "draft_loop_graphs_off": None if loops is None else loops.disabled,
     }
 
 

@@ -1,0 +1,274 @@
+"""The whole greedy draft loop of a batch, replayed from one CUDA graph.
+
+vLLM's V1 runner gives a drafter piecewise graphs only (0.26): the attention of every draft
+layer runs eagerly between graph pieces, with its Python launch cost. On the E2B-shaped
+benchmark (H200, vLLM 0.26.0) that made a k=2 speculative step cost 2.5x a plain one, most of it
+CPU time in eager draft attention (``benchmarks/results/h200``). Our draft steps all have the
+same shape (one query per request; the same attention metadata in every step), so the k steps
+and their greedy sampling are captured together, once per (padded batch size, k), and replayed
+as one graph.
+
+What a graph reads stays at fixed addresses: the proposer's step inputs (token ids, positions,
+hidden states) and the buffers here: sequence lengths, one block table per KV cache group, and
+the base class's slot-mapping buffer. Every call copies the batch into them, pads the rows past
+the batch as requests of one key on the null block, rebuilds the draft attention metadata over
+them (as vLLM's runner does before replaying its own full graphs, so that any backend state
+derived from the metadata is rewritten into the builder's persistent buffers) and replays.
+
+A (size, k) is captured the first time it is drafted: that call runs the loop eagerly (its
+tokens are used) and then captures it. Used only for greedy drafting on CUDA, without data
+parallelism, for batch sizes the runner has drafter graphs for, and when every draft attention
+backend supports full graphs for single-token decoding and builds its metadata over the
+buffers it is given (checked once per size); otherwise, or with
+``GEMMA4_SPEC_FULL_DRAFT_GRAPHS=0``, the proposer drafts step by step as before. If a capture
+fails, the reason is logged and the step-by-step path is used from then on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from copy import copy
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.config import CUDAGraphMode
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+
+from gemma4_spec.compat import build_drafting_metadata
+from gemma4_spec.log import get_logger
+
+if TYPE_CHECKING:
+    from gemma4_spec.spec_decode.proposer import Gemma4Proposer
+
+logger = get_logger(__name__)
+
+FULL_DRAFT_GRAPHS_ENV = "GEMMA4_SPEC_FULL_DRAFT_GRAPHS"
+NULL_BLOCK_ID = 0  # vLLM reserves block 0 for padding
+PADDING_SLOT_ID = -1  # vLLM's "write no K/V" slot
+
+
+class DraftLoopGraphs:
+    """Captured draft loops of one proposer, keyed by (padded batch size, k)."""
+
+    def __init__(self, proposer: Gemma4Proposer) -> None:
+        self._p = proposer
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool: Any = None
+        self._seq_lens: torch.Tensor | None = None
+        self._tables: dict[int, torch.Tensor] = {}
+        self._backends_checked = False
+        self.disabled: str | None = self._unsupported_reason()
+        if self.disabled is not None:
+            logger.info("gemma4_spec: draft steps run one by one (%s).", self.disabled)
+
+    @property
+    def captured(self) -> list[tuple[int, int]]:
+        return sorted(self._graphs)
+
+    def _unsupported_reason(self) -> str | None:
+        p = self._p
+        if p.device.type != "cuda":
+            return "no CUDA"
+        if os.environ.get(FULL_DRAFT_GRAPHS_ENV, "1") == "0":
+            return f"{FULL_DRAFT_GRAPHS_ENV}=0"
+        if p.vllm_config.parallel_config.data_parallel_size > 1:
+            return "data parallelism"
+        if p.vllm_config.model_config.enforce_eager:
+            return "enforce_eager"
+        return None
+
+    def _backends_support_full_graphs(self) -> str | None:
+        for group in self._p.draft_attn_groups:
+            builder = group.backend.get_builder_cls()
+            support = builder.get_cudagraph_support(self._p.vllm_config, group.kv_cache_spec)
+            if support.value < AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE.value:
+                return f"attention backend {group.backend.get_name()} has no full CUDA graphs"
+        return None
+
+    def _disable(self, reason: str) -> None:
+        self.disabled = reason
+        self._graphs.clear()
+        logger.warning("gemma4_spec: full-graph drafting off (%s); drafting step by step.", reason)
+
+    def draft(
+        self, batch_size: int, k: int, metadata: CommonAttentionMetadata
+    ) -> torch.Tensor | None:
+        """Draft tokens ``[batch_size, k]`` from a graph (capturing it on first use), or None
+        when this batch must take the step-by-step path. The proposer has already written the
+        first step's token ids, positions and hidden states into its input buffers."""
+        if self.disabled is not None:
+            return None
+        p = self._p
+        mode, size, across_dp = p._determine_batch_execution_and_padding(batch_size)
+        if mode == CUDAGraphMode.NONE or across_dp is not None:
+            return None
+        if not self._backends_checked:  # first use: the attention backends are known by now
+            self._backends_checked = True
+            reason = self._backends_support_full_graphs()
+            if reason is not None:
+                self._disable(reason)
+                return None
+        static = self._static_inputs(metadata, batch_size, size)
+        if static is None:
+            return None
+        per_layer, slot_mapping = static
+        hit = self._graphs.get((size, k))
+        if hit is not None:
+            graph, tokens = hit
+            graph.replay()
+            return tokens[:batch_size].clone()
+        return self._capture(size, k, batch_size, metadata, per_layer, slot_mapping)
+
+    # ----------------------------------------------------------------------------------------
+
+    def _static_inputs(
+        self, metadata: CommonAttentionMetadata, batch_size: int, size: int
+    ) -> tuple[dict[str, object], dict[str, torch.Tensor]] | None:
+        """Copies this batch into the static buffers (padded to ``size``) and builds the draft
+        layers' attention metadata over them."""
+        p = self._p
+        if self._seq_lens is None:
+            capacity = p.vllm_config.compilation_config.max_cudagraph_capture_size
+            self._seq_lens = torch.ones(capacity, dtype=torch.int32, device=p.device)
+        seq_lens = self._seq_lens[:size]
+        seq_lens[:batch_size].copy_(metadata.seq_lens[:batch_size])
+        seq_lens[batch_size:].fill_(1)
+
+        tables: dict[int, torch.Tensor] = {}
+        for group in p.draft_attn_groups:
+            gid = group.kv_cache_group_id
+            if gid in tables:
+                continue
+            source = p.block_table_of(gid, metadata)
+            table = self._tables.get(gid)
+            if table is None:
+                table = torch.full(
+                    (self._seq_lens.shape[0], source.shape[1]), NULL_BLOCK_ID,
+                    dtype=source.dtype, device=p.device,
+                )  # fmt: skip
+                self._tables[gid] = table
+            elif table.shape[1] != source.shape[1]:
+                self._disable(f"block table width of KV cache group {gid} changed")
+                return None
+            table[:batch_size].copy_(source[:batch_size])
+            table[batch_size:size].fill_(NULL_BLOCK_ID)
+            tables[gid] = table[:size]
+
+        slot_mapping = p._get_slot_mapping(size, metadata.slot_mapping[:batch_size])
+        padded = _pad_common_metadata(
+            metadata,
+            batch_size,
+            query_start_loc=p.arange[: size + 1],
+            query_start_loc_cpu=torch.from_numpy(p.token_arange_np[: size + 1]).clone(),
+            seq_lens=seq_lens,
+            num_reqs=size,
+            num_actual_tokens=size,
+            max_query_len=1,
+            max_seq_len=p.vllm_config.model_config.max_model_len,
+            slot_mapping=next(iter(slot_mapping.values())),
+            positions=None if metadata.positions is None else p.positions[:size],
+        )
+        return self._per_layer_metadata(padded, tables), slot_mapping
+
+    def _per_layer_metadata(
+        self, padded: CommonAttentionMetadata, tables: dict[int, torch.Tensor]
+    ) -> dict[str, object]:
+        per_layer: dict[str, object] = {}
+        for group in self._p.draft_attn_groups:
+            group_metadata = copy(padded)
+            group_metadata.block_table_tensor = tables[group.kv_cache_group_id]
+            built = build_drafting_metadata(group, group_metadata, 0)
+            per_layer.update(dict.fromkeys(group.layer_names, built))
+        return per_layer
+
+    def _loop(
+        self,
+        size: int,
+        k: int,
+        per_layer: dict[str, object],
+        slot_mapping: dict[str, torch.Tensor],
+        tokens: torch.Tensor,
+    ) -> None:
+        """The k draft steps over the first ``size`` rows, tokens into ``tokens[:, step]``."""
+        p = self._p
+        for step in range(k):
+            draft_hidden, next_hidden = p._draft_step(
+                per_layer, size, None, CUDAGraphMode.NONE, slot_mapping
+            )
+            step_tokens = p._greedy_sample(draft_hidden[:size])
+            tokens[:, step] = step_tokens
+            if step + 1 < k:
+                p.input_ids[:size] = step_tokens
+                p.hidden_states[:size] = next_hidden[:size]
+
+    def _capture(
+        self,
+        size: int,
+        k: int,
+        batch_size: int,
+        metadata: CommonAttentionMetadata,
+        per_layer: dict[str, object],
+        slot_mapping: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        p = self._p
+        tokens = torch.zeros(size, k, dtype=torch.int64, device=p.device)
+        self._loop(size, k, per_layer, slot_mapping, tokens)  # this call's drafts, eagerly
+        drafted = tokens[:batch_size].clone()
+        rebuilt = self._static_inputs(metadata, batch_size, size)
+        if rebuilt is None:
+            return drafted
+        moved = _moved_tensors(per_layer, rebuilt[0])
+        if moved:
+            self._disable(f"attention metadata built in fresh memory each step ({moved})")
+            return drafted
+        try:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize(p.device)
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._loop(size, k, rebuilt[0], rebuilt[1], tokens)
+        except Exception as exc:  # keep serving: the step-by-step path computes the same
+            self._disable(f"capture of {size} x {k} failed: {type(exc).__name__}: {exc}")
+            return drafted
+        self._graphs[(size, k)] = (graph, tokens)
+        logger.debug("gemma4_spec: captured the draft loop for %d requests x %d steps", size, k)
+        return drafted
+
+
+def _pad_common_metadata(
+    metadata: CommonAttentionMetadata, batch_size: int, **replacements: Any
+) -> CommonAttentionMetadata:
+    """``metadata`` with ``replacements``; any other optional per-request field (a tensor or
+    array of ``batch_size`` or ``batch_size + 1`` rows) is dropped, since it would not match the
+    padded batch."""
+    for field in dataclasses.fields(metadata):
+        if field.name in replacements or field.default is not None or not field.init:
+            continue
+        value = getattr(metadata, field.name)
+        if isinstance(value, torch.Tensor | np.ndarray) and value.ndim > 0:
+            if value.shape[0] in (batch_size, batch_size + 1):
+                replacements[field.name] = None
+    return dataclasses.replace(metadata, **replacements)
+
+
+def _tensor_addresses(metadata: object) -> dict[str, int]:
+    fields = vars(metadata) if hasattr(metadata, "__dict__") else {}
+    return {
+        name: value.data_ptr()
+        for name, value in fields.items()
+        if isinstance(value, torch.Tensor) and value.is_cuda and value.numel() > 0
+    }
+
+
+def _moved_tensors(first: dict[str, object], second: dict[str, object]) -> str:
+    """Names of metadata tensors whose memory differs between two builds over the same
+    buffers ('' if none): a graph captured over the first would read stale memory."""
+    for layer, built in first.items():
+        a, b = _tensor_addresses(built), _tensor_addresses(second[layer])
+        moved = sorted(name for name in a if b.get(name) != a[name])
+        if moved:
+            return f"{type(built).__name__}.{', '.join(moved)}"
+    return ""
