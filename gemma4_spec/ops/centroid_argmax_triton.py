@@ -3,25 +3,46 @@
 ``centroid_argmax_fused(mask, hidden, lm_head_weight)`` returns the same draft tokens as
 ``centroid_argmax_reference`` (see ``centroid_argmax.py`` for the maths), without building the
 gathered ``[T, top_k * V / C, d]`` rows or any ``[T, V]`` logits, in a fixed number of kernel
-launches with no host synchronisation (CUDA-graph capturable). Two paths:
+launches with no host synchronisation (CUDA-graph capturable).
 
-* **small T** (``path="gather"``), two kernels:
-  1. ``_scores_select_kernel``, grid ``(T, C / BLOCK_C)``: fp32 centroid scores; the last
-     program to finish for a token picks its ``top_k`` centroids (the ``top_k``-th largest of
-     the scores' order-preserving integer keys, found 4 bits per round with 16 thresholds
-     counted at once; ties to the smallest centroid index).
-  2. ``_gather_argmax_kernel``, grid ``(T, top_k, SPLIT)``: each program reads its share of one
-     selected centroid's lm_head rows, dots them with ``h`` in fp32 and keeps the best
-     (value, smallest id); the last program of a token reduces the ``top_k * SPLIT`` partials
-     and writes the token id (split-K over candidate blocks, so that T=1 uses many SMs).
-* **larger T** (``path="dense"``): the same first kernel (writing, per centroid and token, the
-  centroid's slot among the token's picks), then ``_dense_argmax_kernel``, grid
-  ``(T / BLOCK_T, C)``: a program reads one centroid's ``V / C`` lm_head rows (through
-  ``token_ordering``) once for its whole token block and ``tl.dot``s them with the block's
-  hidden states, but only if some token of the block picked that centroid; so the lm_head
-  traffic is the union of the block's picks (never more than the whole lm_head, and far less
-  at small T). Per (token, picked centroid) partial maxima; the program bringing a token's
-  ``top_k``-th partial reduces them.
+Top-k by rank: centroid ``c`` is picked iff ``rank(c) < top_k``, where ``rank(c)`` counts the
+centroids with a larger score plus those with an equal score and a smaller index (scores
+compared as order-preserving int32 keys). Every centroid's rank is independent of the others',
+so the work spreads over many programs, and a picked centroid writes itself to ``sel[t, rank]``.
+
+* **small T** (``path="persistent"``, ``T < DENSE_MIN_TOKENS``): one launch of
+  ``_persistent_kernel``, grid ``(T, P)``, ``P`` a power of two up to ``PERSISTENT_PROGRAMS``
+  with ``T * P`` at most the SM count, so that every program is resident at once. Three phases
+  separated by per-token grid barriers (arrive with a releasing atomic, spin on an acquiring
+  one): (1) each program computes ``C / P`` fp32 centroid scores; (2) each ranks its ``C / P``
+  centroids against the token's ``C`` scores; (3) each scores its share of the
+  ``top_k * V / C`` picked lm_head rows (through ``token_ordering``) and keeps the best
+  (value, smallest id); the last program to finish (a counter) reduces the ``P`` partials,
+  writes the token, and resets the barrier and finish counters to zero (every program has
+  passed both barriers by then) for the next call or graph replay. Under Triton's CPU
+  interpreter, which runs programs one after another, the kernel is launched once per phase
+  instead (the ``PHASE`` constexpr) with no barriers. More tokens than SMs: the next path.
+* **larger T** (``path="centroid"``), three kernels:
+  1. ``_scores_dot_kernel``, grid ``(T / BLOCK_T, C / BLOCK_C)``: fp32 scores by ``tl.dot``
+     over token blocks, so the centroid weights are read once per token block, not per token.
+  2. ``_select_rank_kernel``, grid ``(T,)``: the smallest of ``>= top_k`` group maxima bounds
+     the ``top_k``-th score from below, so only the scores at or above it can be picked; those
+     (a few percent, on real data) are compacted and ranked among themselves. Each pick is
+     appended (atomic count) to its centroid's list ``picks[c]`` as ``t * top_k + rank``.
+  3. ``_centroid_argmax_kernel``, grid ``(C, CENTROID_SPLIT)``: a program reads its part of
+     one centroid's ``V / C`` lm_head rows (nothing if no token picked it) and ``tl.dot``s
+     them with the hidden states of just the tokens in the centroid's list, 16 at a time, so
+     the lm_head traffic is the union of all tokens' picks (at most the whole lm_head once,
+     whatever T). Per (token, rank, split) partial maxima; the program bringing a token's
+     last partial reduces them.
+* older paths, kept for comparison (``path="gather"`` / ``"dense"``): ``_scores_select_kernel``
+  (scores, then a radix top-k in the last program of each token), followed by
+  ``_gather_argmax_kernel`` (per token, split-K over the picked rows) or
+  ``_dense_argmax_kernel`` (per block of up to 64 tokens and centroid).
+
+``path="auto"`` takes the persistent kernel below ``DENSE_MIN_TOKENS`` tokens (default 5,
+environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``dense_min_tokens`` argument)
+when its grid fits the GPU, and the centroid-major path otherwise.
 
 The definition these kernels implement is ``centroid_argmax_fp32_reference``: everything in
 float32 from the given (e.g. bfloat16) values, centroid ties to the smallest centroid index,
@@ -52,11 +73,11 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without triton
     HAS_TRITON = False
 
-# At or above this many tokens the dense path is used: the gather path reads top_k * V / C rows
-# (2 MiB in bf16 at E2B dims) per token, the dense one each picked centroid's rows once per
-# block of up to 64 tokens (the union of the picks, at most the whole lm_head). Tunable with
-# GEMMA4_SPEC_DENSE_MIN_TOKENS.
-DENSE_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "4"))
+# At or above this many tokens "auto" uses the centroid-major path, below it the persistent
+# kernel: that one reads top_k * V / C rows (2 MiB in bf16 at E2B dims) per token in one launch,
+# the centroid-major one each picked centroid's rows once for all tokens (the union of the
+# picks, at most the whole lm_head) in three. Tunable with GEMMA4_SPEC_DENSE_MIN_TOKENS.
+DENSE_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "5"))
 
 
 def _interpreting() -> bool:
@@ -114,6 +135,12 @@ def centroid_argmax_fp32_reference(
 # Prepared state
 # --------------------------------------------------------------------------------------------
 
+# Rows of ``FusedCentroidState.counters``: one per kernel counter, each [capacity] (per token).
+_ROW_SELECT, _ROW_GATHER, _ROW_DENSE = 0, 1, 2
+_ROW_BAR1, _ROW_BAR2, _ROW_DONE = 3, 4, 5  # the persistent kernel's
+_ROW_CENTROID = 6
+COUNTER_ROWS = 7
+
 
 @dataclass
 class FusedCentroidState:
@@ -122,7 +149,7 @@ class FusedCentroidState:
     ordering: torch.Tensor  # [V] int32, token ids grouped by centroid
     centroid_of: torch.Tensor  # [V] int32, inverse: each token's centroid
     suppressed: torch.Tensor  # [V] int8, 1 = never drafted
-    counters: torch.Tensor  # [3, capacity] int32, self-resetting "last program" counters
+    counters: torch.Tensor  # [COUNTER_ROWS, capacity] int32, self-resetting, per token
     num_centroids: int
     vocab: int
     top_k: int
@@ -136,7 +163,7 @@ class FusedCentroidState:
                 f"{self.counters.shape[1]}; run once with the largest batch before capture"
             )
         self.counters = torch.zeros(
-            3, max(num_tokens, 2 * self.counters.shape[1]), dtype=torch.int32,
+            COUNTER_ROWS, max(num_tokens, 2 * self.counters.shape[1]), dtype=torch.int32,
             device=self.counters.device,
         )  # fmt: skip
 
@@ -160,7 +187,7 @@ def prepare_fused_centroid_argmax(
     if mask.has_suppressed():
         assert mask.suppressed is not None
         suppressed[mask.suppressed.to(device=device, dtype=torch.long)] = 1
-    counters = torch.zeros(3, capacity, dtype=torch.int32, device=device)
+    counters = torch.zeros(COUNTER_ROWS, capacity, dtype=torch.int32, device=device)
     return FusedCentroidState(
         ordering, centroid_of, suppressed, counters, num_centroids, vocab, mask.top_k
     )
@@ -449,6 +476,362 @@ if HAS_TRITON:
                 tl.store(out_ptr + offs_t, best.to(tl.int64), mask=fin)
                 tl.store(counter_ptr + offs_t, tl.zeros([BLOCK_T], tl.int32), mask=fin)
 
+    # ---------------------------------------------------------------------------- rank top-k
+
+    @triton.jit
+    def _rank_block(
+        key_i,  # [BLOCK_I] int32 keys of the centroids being ranked
+        idx_i,  # [BLOCK_I] int32 their indices
+        keys_ptr,  # fp32 scores (KEYS_ARE_SCORES) or int32 keys, the ones ranked against
+        idx_ptr,  # int32 indices of those (only if not INDEX_IS_POS)
+        n,  # how many to rank against
+        BLOCK_I: tl.constexpr,
+        CHUNK: tl.constexpr,
+        KEYS_ARE_SCORES: tl.constexpr,
+        INDEX_IS_POS: tl.constexpr,
+    ):
+        """rank(i) = #{j : key_j > key_i} + #{j : key_j == key_i, idx_j < idx_i}, counted
+        against the ``n`` entries at ``keys_ptr`` in chunks of CHUNK (read through L2: they
+        may have been written by other programs)."""
+        rank = tl.zeros([BLOCK_I], dtype=tl.int32)
+        for j0 in range(0, n, CHUNK):
+            offs_j = j0 + tl.arange(0, CHUNK)
+            j_ok = offs_j < n
+            if KEYS_ARE_SCORES:
+                s = tl.load(keys_ptr + offs_j, mask=j_ok, other=0.0, cache_modifier=".cg")
+                key_j = _sortable_key(s)
+            else:
+                key_j = tl.load(keys_ptr + offs_j, mask=j_ok, other=0, cache_modifier=".cg")
+            if INDEX_IS_POS:
+                idx_j = offs_j
+            else:
+                idx_j = tl.load(idx_ptr + offs_j, mask=j_ok, other=0, cache_modifier=".cg")
+            before = (key_j[None, :] > key_i[:, None]) | (
+                (key_j[None, :] == key_i[:, None]) & (idx_j[None, :] < idx_i[:, None])
+            )
+            rank += tl.sum((before & j_ok[None, :]).to(tl.int32), axis=1)
+        return rank
+
+    @triton.jit
+    def _grid_barrier(counter_ptr, expected):
+        """Every program of a token arrives (release) then waits (acquire) for all of them.
+        Only valid when all of them are resident at once (the launcher sizes the grid so)."""
+        tl.debug_barrier()  # every thread's stores happen before the releasing arrive
+        tl.atomic_add(counter_ptr, 1, sem="release")
+        while tl.atomic_add(counter_ptr, 0, sem="acquire") < expected:
+            pass
+        tl.debug_barrier()
+
+    # ------------------------------------------------------------------- small T: one launch
+
+    @triton.jit
+    def _persistent_kernel(
+        h_ptr,  # [T, D]
+        cw_ptr,  # [C, D]
+        w_ptr,  # [V, D] lm_head
+        ordering_ptr,  # [V] int32
+        sup_ptr,  # [V] int8
+        scores_ptr,  # [T, C] fp32 scratch
+        sel_ptr,  # [T, K] int32 scratch: selected centroid of each rank
+        part_val_ptr,  # [T, P] fp32
+        part_idx_ptr,  # [T, P] int32
+        bar1_ptr,  # [T] int32, zero on entry and on exit
+        bar2_ptr,  # [T] int32, zero on entry and on exit
+        done_ptr,  # [T] int32, zero on entry and on exit
+        out_ptr,  # [T] int64
+        C,
+        D,
+        K,
+        TPC,
+        stride_h,
+        stride_cw,
+        stride_w,
+        P: tl.constexpr,  # programs per token
+        BLOCK_C: tl.constexpr,  # centroids per program (P * BLOCK_C >= C)
+        ROWS: tl.constexpr,  # candidate rows per program (P * ROWS >= K * TPC)
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        RANK_CHUNK: tl.constexpr,
+        BLOCK_P: tl.constexpr,  # >= P
+        V: tl.constexpr,
+        PHASE: tl.constexpr,  # 0: all three with grid barriers; 1, 2, 3: that phase alone
+    ):
+        t = tl.program_id(0)
+        p = tl.program_id(1)
+        offs_c = p * BLOCK_C + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        # Phase 1: this program's centroid scores, fp32.
+        if PHASE == 0 or PHASE == 1:
+            acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                offs_d = d0 + tl.arange(0, BLOCK_D)
+                d_ok = offs_d < D
+                hv = tl.load(h_ptr + t * stride_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                cw = tl.load(
+                    cw_ptr + offs_c[:, None] * stride_cw + offs_d[None, :],
+                    mask=c_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                acc += tl.sum(cw * hv[None, :], axis=1)
+            tl.store(scores_ptr + t * C + offs_c, acc, mask=c_ok)
+        if PHASE == 0:
+            _grid_barrier(bar1_ptr + t, P)
+        # Phase 2: rank this program's centroids against all the token's scores.
+        if PHASE == 0 or PHASE == 2:
+            own = tl.load(scores_ptr + t * C + offs_c, mask=c_ok, other=0.0, cache_modifier=".cg")
+            rank = _rank_block(
+                _sortable_key(own), offs_c, scores_ptr + t * C, scores_ptr, C,
+                BLOCK_C, RANK_CHUNK, True, True,
+            )  # fmt: skip
+            chosen = c_ok & (rank < K)
+            tl.store(sel_ptr + t * K + rank, offs_c, mask=chosen)
+        if PHASE == 0:
+            _grid_barrier(bar2_ptr + t, P)
+        # Phase 3: this program's share of the K * TPC candidate rows; best (value, id).
+        if PHASE == 0 or PHASE == 3:
+            best_v = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            best_i = tl.full([BLOCK_R], V, tl.int32)
+            for r0 in range(0, ROWS, BLOCK_R):
+                local = r0 + tl.arange(0, BLOCK_R)
+                j = p * ROWS + local
+                r_ok = (local < ROWS) & (j < K * TPC)
+                c = tl.load(sel_ptr + t * K + j // TPC, mask=r_ok, other=0, cache_modifier=".cg")
+                ids = tl.load(ordering_ptr + c * TPC + j % TPC, mask=r_ok, other=0)
+                acc = tl.zeros([BLOCK_R], dtype=tl.float32)
+                for d0 in range(0, D, BLOCK_D):
+                    offs_d = d0 + tl.arange(0, BLOCK_D)
+                    d_ok = offs_d < D
+                    hv = tl.load(h_ptr + t * stride_h + offs_d, mask=d_ok, other=0.0)
+                    w = tl.load(
+                        w_ptr + ids[:, None].to(tl.int64) * stride_w + offs_d[None, :],
+                        mask=r_ok[:, None] & d_ok[None, :],
+                        other=0.0,
+                    ).to(tl.float32)
+                    acc += tl.sum(w * hv.to(tl.float32)[None, :], axis=1)
+                sup = tl.load(sup_ptr + ids, mask=r_ok, other=1)
+                ok = r_ok & (sup == 0)
+                take = ok & ((acc > best_v) | ((acc == best_v) & (ids < best_i)))
+                best_v = tl.where(take, acc, best_v)
+                best_i = tl.where(take, ids, best_i)
+            m, i = _best_of(best_v, best_i, 0, V)
+            tl.store(part_val_ptr + t * P + p, m)
+            tl.store(part_idx_ptr + t * P + p, i)
+            tl.debug_barrier()
+            done = tl.atomic_add(done_ptr + t, 1, sem="acq_rel")
+            if done == P - 1:
+                # Every program of this token has passed both barriers: reset them here.
+                tl.debug_barrier()
+                offs = tl.arange(0, BLOCK_P)
+                p_ok = offs < P
+                pv = tl.load(
+                    part_val_ptr + t * P + offs, mask=p_ok, other=float("-inf"),
+                    cache_modifier=".cg",
+                )  # fmt: skip
+                pi = tl.load(part_idx_ptr + t * P + offs, mask=p_ok, other=V, cache_modifier=".cg")
+                _, best = _best_of(pv, pi, 0, V)
+                best = tl.where(best == V, 0, best)  # every candidate suppressed
+                tl.store(out_ptr + t, best.to(tl.int64))
+                tl.store(bar1_ptr + t, 0)
+                tl.store(bar2_ptr + t, 0)
+                tl.store(done_ptr + t, 0)
+
+    # ---------------------------------------------------------- larger T: centroid-major path
+
+    @triton.jit
+    def _scores_dot_kernel(
+        h_ptr,  # [T, D]
+        cw_ptr,  # [C, D]
+        scores_ptr,  # [T, C] fp32 out
+        count_ptr,  # [C] int32 out: zeroed here for the select kernel
+        T,
+        C,
+        D,
+        stride_h,
+        stride_cw,
+        BLOCK_T: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        tb = tl.program_id(0)
+        cb = tl.program_id(1)
+        offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        t_ok = offs_t < T
+        c_ok = offs_c < C
+        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            a = tl.load(
+                h_ptr + offs_t[:, None] * stride_h + offs_d[None, :],
+                mask=t_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                cw_ptr + offs_c[:, None] * stride_cw + offs_d[None, :],
+                mask=c_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        tl.store(
+            scores_ptr + offs_t[:, None] * C + offs_c[None, :],
+            acc,
+            mask=t_ok[:, None] & c_ok[None, :],
+        )
+        if tb == 0:
+            tl.store(count_ptr + offs_c, tl.zeros([BLOCK_C], tl.int32), mask=c_ok)
+
+    @triton.jit
+    def _select_rank_kernel(
+        scores_ptr,  # [T, C] fp32
+        cand_idx_ptr,  # [T, BLOCK_ALL_C] int32 scratch
+        cand_key_ptr,  # [T, BLOCK_ALL_C] int32 scratch
+        sel_ptr,  # [T, K] int32 out: selected centroid of each rank
+        count_ptr,  # [C] int32, zero on entry: how many tokens picked each centroid
+        pick_ptr,  # [C, T] int32 out: the picks of each centroid, as t * K + rank
+        T,
+        C,
+        K,
+        BLOCK_ALL_C: tl.constexpr,
+        GROUPS: tl.constexpr,  # a power of two >= K
+        BLOCK_I: tl.constexpr,
+    ):
+        """One program per token. The smallest of GROUPS >= K group maxima is at most the
+        K-th largest score, so only the scores at or above it (few, for real data) can be
+        picked; they are compacted and ranked among themselves (a smaller one cannot be
+        ahead of them)."""
+        t = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_ALL_C)
+        ok = offs < C
+        key = tl.where(
+            ok, _sortable_key(tl.load(scores_ptr + t * C + offs, mask=ok, other=0.0)), -(2**31)
+        )
+        group_max = tl.max(tl.reshape(key, [GROUPS, BLOCK_ALL_C // GROUPS]), axis=1)
+        bound = tl.min(group_max, axis=0)
+        cand = ok & (key >= bound)
+        pos = tl.cumsum(cand.to(tl.int32), axis=0) - 1
+        n = tl.sum(cand.to(tl.int32), axis=0)
+        base = t * BLOCK_ALL_C
+        tl.store(cand_idx_ptr + base + pos, offs, mask=cand)
+        tl.store(cand_key_ptr + base + pos, key, mask=cand)
+        tl.debug_barrier()
+        for i0 in range(0, n, BLOCK_I):
+            offs_i = i0 + tl.arange(0, BLOCK_I)
+            i_ok = offs_i < n
+            idx_i = tl.load(cand_idx_ptr + base + offs_i, mask=i_ok, other=0)
+            key_i = tl.load(cand_key_ptr + base + offs_i, mask=i_ok, other=0)
+            rank = _rank_block(
+                key_i, idx_i, cand_key_ptr + base, cand_idx_ptr + base, n,
+                BLOCK_I, BLOCK_I, False, False,
+            )  # fmt: skip
+            chosen = i_ok & (rank < K)
+            tl.store(sel_ptr + t * K + rank, idx_i, mask=chosen)
+            at = tl.atomic_add(count_ptr + idx_i, 1, mask=chosen, sem="relaxed")
+            tl.store(pick_ptr + idx_i * T + at, t * K + rank, mask=chosen)
+
+    @triton.jit
+    def _centroid_argmax_kernel(
+        h_ptr,  # [T, D]
+        w_ptr,  # [V, D]
+        ordering_ptr,  # [V] int32
+        sup_ptr,  # [V] int8
+        count_ptr,  # [C] int32
+        pick_ptr,  # [C, T] int32: t * K + rank
+        part_val_ptr,  # [T, K * SPLIT] fp32
+        part_idx_ptr,  # [T, K * SPLIT] int32
+        counter_ptr,  # [T] int32, zero on entry and on exit
+        out_ptr,  # [T] int64
+        T,
+        D,
+        K,
+        TPC,
+        stride_h,
+        stride_w,
+        SPLIT: tl.constexpr,
+        ROWS: tl.constexpr,  # rows of the centroid per program: TPC / SPLIT, rounded up
+        BLOCK_T: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_P: tl.constexpr,  # >= K * SPLIT
+        V: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """Program (c, s) reads rows [s * ROWS, (s + 1) * ROWS) of centroid c once (none if no
+        token picked c) and scores them for the tokens that picked c, BLOCK_T at a time."""
+        c = tl.program_id(0)
+        s = tl.program_id(1)
+        n = tl.load(count_ptr + c)
+        for tb in range(0, n, BLOCK_T):
+            offs_b = tb + tl.arange(0, BLOCK_T)
+            b_ok = offs_b < n
+            pick = tl.load(pick_ptr + c * T + offs_b, mask=b_ok, other=0)
+            tok = pick // K
+            slot = (pick % K) * SPLIT + s
+            best_v = tl.full([BLOCK_T], float("-inf"), tl.float32)
+            best_i = tl.full([BLOCK_T], V, tl.int32)
+            for r0 in range(0, ROWS, BLOCK_R):
+                local = r0 + tl.arange(0, BLOCK_R)
+                offs_r = s * ROWS + local
+                r_ok = (local < ROWS) & (offs_r < TPC)
+                ids = tl.load(ordering_ptr + c * TPC + offs_r, mask=r_ok, other=0)
+                acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
+                for d0 in range(0, D, BLOCK_D):
+                    offs_d = d0 + tl.arange(0, BLOCK_D)
+                    d_ok = offs_d < D
+                    a = tl.load(
+                        h_ptr + tok[:, None] * stride_h + offs_d[None, :],
+                        mask=b_ok[:, None] & d_ok[None, :],
+                        other=0.0,
+                    )
+                    b = tl.load(
+                        w_ptr + ids[:, None].to(tl.int64) * stride_w + offs_d[None, :],
+                        mask=r_ok[:, None] & d_ok[None, :],
+                        other=0.0,
+                    )
+                    if UPCAST:
+                        a = a.to(tl.float32)
+                        b = b.to(tl.float32)
+                    acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+                sup = tl.load(sup_ptr + ids, mask=r_ok, other=1)
+                ok = b_ok[:, None] & (r_ok & (sup == 0))[None, :]
+                vals = tl.where(ok, acc, float("-inf"))
+                cand = tl.where(ok, ids[None, :], V)
+                m, i = _best_of(vals, cand, 1, V)
+                take = (i < V) & ((m > best_v) | ((m == best_v) & (i < best_i)))
+                best_v = tl.where(take, m, best_v)
+                best_i = tl.where(take, i, best_i)
+            tl.store(part_val_ptr + tok * (K * SPLIT) + slot, best_v, mask=b_ok)
+            tl.store(part_idx_ptr + tok * (K * SPLIT) + slot, best_i, mask=b_ok)
+            tl.debug_barrier()  # every thread's stores before the (releasing) counter updates
+            done = tl.atomic_add(counter_ptr + tok, 1, mask=b_ok, sem="acq_rel")
+            fin = b_ok & (done == K * SPLIT - 1)
+            # The program bringing a token's last partial reduces that token's partials.
+            if tl.max(fin.to(tl.int32), axis=0) > 0:
+                tl.debug_barrier()
+                offs_p = tl.arange(0, BLOCK_P)
+                pm = fin[:, None] & (offs_p < K * SPLIT)[None, :]
+                pv = tl.load(
+                    part_val_ptr + tok[:, None] * (K * SPLIT) + offs_p[None, :],
+                    mask=pm,
+                    other=float("-inf"),
+                    cache_modifier=".cg",
+                )
+                pi = tl.load(
+                    part_idx_ptr + tok[:, None] * (K * SPLIT) + offs_p[None, :],
+                    mask=pm,
+                    other=V,
+                    cache_modifier=".cg",
+                )
+                _, best = _best_of(pv, pi, 1, V)
+                best = tl.where(best == V, 0, best)  # every candidate suppressed
+                tl.store(out_ptr + tok, best.to(tl.int64), mask=fin)
+                tl.store(counter_ptr + tok, tl.zeros([BLOCK_T], tl.int32), mask=fin)
 
 # --------------------------------------------------------------------------------------------
 # Launchers
@@ -460,6 +843,16 @@ GATHER_BLOCK_R = 32
 DENSE_BLOCK_R = 128
 DENSE_BLOCK_D = 128
 DENSE_MAX_BLOCK_T = 64
+PERSISTENT_PROGRAMS = 128  # programs per token of the persistent kernel, at most
+PERSISTENT_INTERPRET_SMS = 16  # "SM count" under the interpreter (small test grids)
+PERSISTENT_BLOCK_R = 32
+SCORES_MAX_BLOCK_T = 64
+SCORES_DOT_BLOCK_C = 64
+SELECT_BLOCK_I = 128
+CENTROID_SPLIT = 2
+CENTROID_BLOCK_T = 16
+CENTROID_BLOCK_R = 64
+CENTROID_BLOCK_D = 64
 
 
 def _select_centroids(
@@ -484,7 +877,7 @@ def _select_centroids(
         scores,
         sel,
         slot,
-        state.counters[0],
+        state.counters[_ROW_SELECT],
         num_tokens,
         c,
         d,
@@ -541,7 +934,7 @@ def centroid_argmax_gather(
         state.suppressed,
         part_val,
         part_idx,
-        state.counters[1],
+        state.counters[_ROW_GATHER],
         out,
         d,
         k,
@@ -592,7 +985,7 @@ def centroid_argmax_dense(
         state.suppressed,
         part_val,
         part_idx,
-        state.counters[2],
+        state.counters[_ROW_DENSE],
         out,
         num_tokens,
         d,
@@ -612,6 +1005,177 @@ def centroid_argmax_dense(
     return out
 
 
+def _dot_precision(hidden: torch.Tensor) -> tuple[str, bool]:
+    """(tl.dot input precision, whether to upcast bf16 operands to fp32 first)."""
+    upcast = _interpreting() and hidden.dtype != torch.float32
+    return ("ieee" if hidden.dtype == torch.float32 or upcast else "tf32"), upcast
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _programs_per_token(num_tokens: int, device: torch.device, num_centroids: int) -> int:
+    """Programs per token of the persistent kernel: a power of two, at most
+    PERSISTENT_PROGRAMS, with all ``T * P`` programs resident at once (one per SM at most);
+    0 if even one per token does not fit."""
+    if _interpreting():
+        sms = PERSISTENT_INTERPRET_SMS
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SM_COUNT:
+            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        sms = _SM_COUNT[index]
+    per_token = min(PERSISTENT_PROGRAMS, sms // max(num_tokens, 1), num_centroids)
+    if per_token < 1:
+        return 0
+    return 1 << (per_token.bit_length() - 1)
+
+
+def persistent_fits(num_tokens: int, device: torch.device, num_centroids: int) -> bool:
+    """Whether the persistent (single launch) kernel can run ``num_tokens`` tokens."""
+    return _programs_per_token(num_tokens, device, num_centroids) > 0
+
+
+def centroid_argmax_persistent(
+    mask: CentroidMask,
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    state: FusedCentroidState | None = None,
+) -> torch.Tensor:
+    """Small-T path: one launch of ``_persistent_kernel``, ``P`` programs per token that
+    compute the centroid scores, rank them and score the picked rows, separated by per-token
+    grid barriers (under the interpreter: three launches, one per phase, no barriers). With
+    more tokens than the GPU has SMs it runs the centroid-major path instead."""
+    _check(mask, hidden, lm_head_weight)
+    vocab = lm_head_weight.shape[0]
+    state = state or _state_for(mask, vocab)
+    num_tokens, d = hidden.shape
+    dev = hidden.device
+    out = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+    if num_tokens == 0:
+        return out
+    c, k = state.num_centroids, state.top_k
+    progs = _programs_per_token(num_tokens, dev, c)
+    if progs == 0:  # more tokens than SMs: the grid barriers could deadlock
+        return centroid_argmax_centroid_major(mask, hidden, lm_head_weight, state)
+    state.ensure_capacity(num_tokens)
+    tpc = vocab // c
+    block_c = triton.next_power_of_2(triton.cdiv(c, progs))
+    rows = triton.cdiv(k * tpc, progs)
+    scores = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
+    sel = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
+    part_val = torch.empty(num_tokens, progs, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(num_tokens, progs, dtype=torch.int32, device=dev)
+    args = (
+        hidden, mask.centroids_weight, lm_head_weight, state.ordering, state.suppressed,
+        scores, sel, part_val, part_idx,
+        state.counters[_ROW_BAR1], state.counters[_ROW_BAR2], state.counters[_ROW_DONE], out,
+        c, d, k, tpc, hidden.stride(0), mask.centroids_weight.stride(0),
+        lm_head_weight.stride(0),
+    )  # fmt: skip
+    meta = dict(
+        P=progs,
+        BLOCK_C=block_c,
+        ROWS=rows,
+        BLOCK_R=min(PERSISTENT_BLOCK_R, triton.next_power_of_2(rows)),
+        BLOCK_D=min(256, triton.next_power_of_2(d)),
+        RANK_CHUNK=max(16, min(triton.next_power_of_2(c), 8192 // block_c)),
+        BLOCK_P=triton.next_power_of_2(progs),
+        V=vocab,
+        num_warps=4,
+    )
+    grid = (num_tokens, progs)
+    if _interpreting():  # programs run one after another there: a barrier would never open
+        for phase in (1, 2, 3):
+            _persistent_kernel[grid](*args, PHASE=phase, **meta)
+    else:
+        _persistent_kernel[grid](*args, PHASE=0, **meta)
+    return out
+
+
+def select_centroids_ranked(
+    state: FusedCentroidState, hidden: torch.Tensor, centroids_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernels 1 and 2 of the centroid-major path: fp32 scores by ``tl.dot`` over token
+    blocks, then each token's top-k by rank. Returns (sel [T, K] int32: the centroid of each
+    rank, count [C] int32: how many tokens picked each centroid, picks [C, T] int32: the first
+    ``count[c]`` entries of row c are ``t * K + rank`` of the tokens that picked c, in no
+    particular order)."""
+    num_tokens, d = hidden.shape
+    c, k = state.num_centroids, state.top_k
+    dev = hidden.device
+    scores = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
+    count = torch.empty(c, dtype=torch.int32, device=dev)
+    picks = torch.empty(c, num_tokens, dtype=torch.int32, device=dev)
+    sel = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
+    precision, upcast = _dot_precision(hidden)
+    block_t = min(SCORES_MAX_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))
+    block_c = SCORES_DOT_BLOCK_C if num_tokens > 64 else SCORES_DOT_BLOCK_C // 2
+    block_c = max(16, min(block_c, triton.next_power_of_2(c)))
+    _scores_dot_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(c, block_c))](
+        hidden, centroids_weight, scores, count, num_tokens, c, d,
+        hidden.stride(0), centroids_weight.stride(0),
+        BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_D=min(64, max(16, triton.next_power_of_2(d))),
+        PRECISION=precision, UPCAST=upcast, num_warps=4,
+    )  # fmt: skip
+    all_c = triton.next_power_of_2(c)
+    cand_idx = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
+    cand_key = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
+    _select_rank_kernel[(num_tokens,)](
+        scores, cand_idx, cand_key, sel, count, picks, num_tokens, c, k,
+        BLOCK_ALL_C=all_c, GROUPS=triton.next_power_of_2(k),
+        BLOCK_I=min(SELECT_BLOCK_I, all_c), num_warps=8 if all_c >= 2048 else 4,
+    )  # fmt: skip
+    return sel, count, picks
+
+
+def centroid_argmax_centroid_major(
+    mask: CentroidMask,
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    state: FusedCentroidState | None = None,
+) -> torch.Tensor:
+    """Larger-T path: scores (``tl.dot``), rank top-k, then one program per (centroid, row
+    split) that reads its rows once, only if some token picked the centroid, and scores them
+    for just those tokens; per (token, pick, split) partials reduced by the last contributor.
+    The lm_head traffic is the union of all tokens' picks, at most the whole lm_head once."""
+    _check(mask, hidden, lm_head_weight)
+    vocab = lm_head_weight.shape[0]
+    state = state or _state_for(mask, vocab)
+    num_tokens, d = hidden.shape
+    out = torch.empty(num_tokens, dtype=torch.int64, device=hidden.device)
+    if num_tokens == 0:
+        return out
+    state.ensure_capacity(num_tokens)
+    _, count, picks = select_centroids_ranked(state, hidden, mask.centroids_weight)
+    k, c = state.top_k, state.num_centroids
+    tpc = vocab // c
+    split = max(1, min(CENTROID_SPLIT, tpc // 16))
+    rows = triton.cdiv(tpc, split)
+    part_val = torch.empty(num_tokens, k * split, dtype=torch.float32, device=hidden.device)
+    part_idx = torch.empty(num_tokens, k * split, dtype=torch.int32, device=hidden.device)
+    precision, upcast = _dot_precision(hidden)
+    _centroid_argmax_kernel[(c, split)](
+        hidden, lm_head_weight, state.ordering, state.suppressed, count, picks,
+        part_val, part_idx, state.counters[_ROW_CENTROID], out,
+        num_tokens, d, k, tpc, hidden.stride(0), lm_head_weight.stride(0),
+        SPLIT=split,
+        ROWS=rows,
+        BLOCK_T=CENTROID_BLOCK_T,
+        BLOCK_R=min(CENTROID_BLOCK_R, max(16, triton.next_power_of_2(rows))),
+        BLOCK_D=min(CENTROID_BLOCK_D, max(16, triton.next_power_of_2(d))),
+        BLOCK_P=triton.next_power_of_2(k * split),
+        V=vocab,
+        PRECISION=precision,
+        UPCAST=upcast,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+PATHS = ("auto", "persistent", "centroid", "gather", "dense")
+
+
 def centroid_argmax_fused(
     mask: CentroidMask,
     hidden: torch.Tensor,
@@ -621,18 +1185,25 @@ def centroid_argmax_fused(
 ) -> torch.Tensor:
     """Greedy draft tokens ``[T]`` int64 through the fused kernels.
 
-    ``path``: "auto" (gather below ``dense_min_tokens`` tokens, default ``DENSE_MIN_TOKENS``,
-    dense from there), "gather" or "dense". Without Triton, or on a device the kernels cannot
-    run on (CPU unless ``TRITON_INTERPRET=1``), falls back to the torch sparse path
-    ``centroid_argmax``. Capturable in a CUDA graph once a first call has run for this mask
-    and at least this many tokens."""
-    if path not in ("auto", "gather", "dense"):
+    ``path``: "auto" (the persistent kernel below ``dense_min_tokens`` tokens, default
+    ``DENSE_MIN_TOKENS``, when its grid fits the GPU; the centroid-major path otherwise),
+    "persistent", "centroid", or the older "gather" and "dense" paths. Without Triton, or on a
+    device the kernels cannot run on (CPU unless ``TRITON_INTERPRET=1``), falls back to the
+    torch sparse path ``centroid_argmax``. Capturable in a CUDA graph once a first call has
+    run for this mask and at least this many tokens."""
+    if path not in PATHS:
         raise ValueError(f"unknown path {path!r}")
     if not triton_usable(hidden.device):
         return centroid_argmax(hidden, lm_head_weight, mask)
     if path == "auto":
         threshold = DENSE_MIN_TOKENS if dense_min_tokens is None else dense_min_tokens
-        path = "dense" if hidden.shape[0] >= threshold else "gather"
+        num_tokens, num_centroids = hidden.shape[0], mask.centroids_weight.shape[0]
+        small = num_tokens < threshold and persistent_fits(num_tokens, hidden.device, num_centroids)
+        path = "persistent" if small else "centroid"
+    if path == "persistent":
+        return centroid_argmax_persistent(mask, hidden, lm_head_weight)
+    if path == "centroid":
+        return centroid_argmax_centroid_major(mask, hidden, lm_head_weight)
     if path == "dense":
         return centroid_argmax_dense(mask, hidden, lm_head_weight)
     return centroid_argmax_gather(mask, hidden, lm_head_weight)
