@@ -28,10 +28,13 @@ from gemma4_spec.ops.centroid_argmax_triton import (
     centroid_argmax_fp32_reference,
     centroid_argmax_fused,
     masked_logits_fp32_reference,
+    prepare_fused_centroid_argmax,
+    select_centroids_ranked,
     select_centroids_reference,
 )
 
-PATHS = ("gather", "dense", "auto")
+PATHS = ("persistent", "centroid", "gather", "dense", "auto")
+FORCED = PATHS[:-1]
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_TRITON),
     reason="needs a CUDA GPU and triton (the CPU side runs in test_kernels_under_interpreter)",
@@ -40,6 +43,8 @@ needs_cuda = pytest.mark.skipif(
 SMALL = {"vocab": 4096, "centroids": 64, "top_k": 8, "d": 64}
 REAL = {"vocab": 262144, "centroids": 2048, "top_k": 32, "d": 256}  # E2B / E4B assistants
 TINY = {"vocab": 512, "centroids": 32, "top_k": 4, "d": 16}  # for the interpreter
+# Neither C nor V / C nor d a power of two; top_k * V / C not a multiple of the programs.
+ODD = {"vocab": 480, "centroids": 24, "top_k": 5, "d": 20}
 
 
 def _make(
@@ -162,7 +167,7 @@ def _check_all_suppressed(cfg: dict, dtype: torch.dtype, device: str, path: str)
 @needs_cuda
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 2, 3, 7, 16, 31, 64, 100, 256])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 7, 16, 31, 64, 100, 256])
 def test_small_config_matches_reference(num_tokens: int, dtype: torch.dtype, path: str) -> None:
     _check_random(SMALL, dtype, "cuda", num_tokens, path)
 
@@ -170,7 +175,7 @@ def test_small_config_matches_reference(num_tokens: int, dtype: torch.dtype, pat
 @needs_cuda
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 5, 16, 64, 256])
 def test_real_dims_match_reference(num_tokens: int, dtype: torch.dtype, path: str) -> None:
     _check_random(REAL, dtype, "cuda", num_tokens, path)
 
@@ -194,15 +199,18 @@ def test_suppressed_never_drafted(num_tokens: int, cfg: dict, dtype: torch.dtype
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["gather", "dense"])
-def test_all_candidates_suppressed_gives_zero(path: str) -> None:
-    _check_all_suppressed(SMALL, torch.float32, "cuda", path)
+@pytest.mark.parametrize("path", FORCED)
+@pytest.mark.parametrize("cfg", [SMALL, REAL], ids=["small", "real"])
+def test_all_candidates_suppressed_gives_zero(cfg: dict, path: str) -> None:
+    _check_all_suppressed(cfg, torch.float32, "cuda", path)
 
 
 @needs_cuda
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 16, 64, 256])
 def test_cuda_graph_replay(num_tokens: int, path: str) -> None:
+    """Replays with fresh inputs: the self-resetting counters (and the persistent kernel's
+    grid barriers) must start clean each time."""
     lm_head, mask = _make(**REAL, dtype=torch.bfloat16, device="cuda", seed=21)
     static_h = _hidden(num_tokens, REAL["d"], torch.bfloat16, "cuda", seed=22)
     centroid_argmax_fused(mask, static_h, lm_head, path=path)  # warm-up: compile + prepare
@@ -224,6 +232,19 @@ def test_cuda_graph_replay(num_tokens: int, path: str) -> None:
 @needs_cuda
 def test_centroid_score_ties_go_to_smallest_index() -> None:
     _check_score_ties("cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", FORCED)
+@pytest.mark.parametrize("cfg", [ODD, REAL], ids=["odd", "real"])
+def test_all_scores_and_logits_equal(cfg: dict, path: str) -> None:
+    _check_all_equal(cfg, torch.bfloat16, "cuda", path)
+    _check_random(ODD, torch.bfloat16, "cuda", 3, path)
+
+
+@needs_cuda
+def test_rank_select_matches_stable_sort() -> None:
+    _check_rank_select("cuda")
 
 
 @needs_cuda
@@ -249,23 +270,74 @@ def test_cpu_falls_back_to_torch_path() -> None:
     _assert_tokens(got, hidden, lm_head, mask)
 
 
-def _interpreter_checks() -> None:
+# The interpreter checks run as two concurrent subprocesses (kernel groups), to keep CPU CI short.
+INTERPRETER_GROUPS = {"new": ("persistent", "centroid", "auto"), "old": ("gather", "dense")}
+
+
+def _interpreter_checks(group: str = "new") -> None:
     """Small-size kernel checks, run on CPU tensors with TRITON_INTERPRET=1."""
+    paths = INTERPRETER_GROUPS[group]
+    forced = [p for p in paths if p != "auto"]
     for dtype in (torch.float32, torch.bfloat16):
-        for path in PATHS:
+        for path in paths:
             for num_tokens in (1, 3, 5):
                 _check_random(TINY, dtype, "cpu", num_tokens, path)
             _check_ties(TINY, dtype, "cpu", 2, path)
             _check_suppressed(TINY, dtype, "cpu", 3, path)
-        _check_all_suppressed(TINY, dtype, "cpu", "gather")
-        _check_all_suppressed(TINY, dtype, "cpu", "dense")
-    # The dispatcher's dense branch, and a block of 16 tokens through tl.dot.
-    _check_random(TINY, torch.float32, "cpu", 17, "dense")
-    # Several centroid rows per dense program (V / C > 128) and several token blocks.
+        for path in forced:
+            _check_all_suppressed(TINY, dtype, "cpu", path)
+    # A block of 16 tokens through tl.dot; more tokens than the persistent grid holds.
+    for path in forced:
+        _check_random(TINY, torch.float32, "cpu", 17, path)
+    # Several row blocks per program (V / C > 128) and several token blocks.
     wide = {"vocab": 2048, "centroids": 8, "top_k": 3, "d": 32}
-    for path in ("gather", "dense"):
-        _check_random(wide, torch.float32, "cpu", 70, path)
+    for path in forced:
+        _check_random(wide, torch.float32, "cpu", 20 if path == "gather" else 70, path)
+    if group != "new":
+        return
     _check_score_ties("cpu")
+    for dtype in (torch.float32, torch.bfloat16):
+        for path in forced:
+            _check_random(ODD, dtype, "cpu", 3, path)
+            _check_all_equal(ODD, dtype, "cpu", path)
+            _check_all_suppressed(ODD, dtype, "cpu", path)
+    _check_random(ODD, torch.float32, "cpu", 40, "centroid")  # several picks per centroid
+    _check_rank_select("cpu")
+
+
+def _check_all_equal(cfg: dict, dtype: torch.dtype, device: str, path: str) -> None:
+    """A zero hidden state: every centroid score and every logit ties (all candidates are
+    ranked together), so the smallest centroids and then the smallest token id win."""
+    lm_head, mask = _make(**cfg, dtype=dtype, device=device, seed=41)
+    hidden = torch.zeros(2, cfg["d"], dtype=dtype, device=device)
+    got = centroid_argmax_fused(mask, hidden, lm_head, path=path)
+    want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
+    assert torch.equal(got, want), (path, got, want)
+
+
+def _check_rank_select(device: str) -> None:
+    """The rank top-k alone against the stable-sort reference, on scores with many exact ties
+    (rounded hidden states and centroid weights), including more candidates than one block."""
+    gen = torch.Generator().manual_seed(51)
+    for num_centroids, top_k in ((300, 7), (64, 64), (256, 1)):
+        cw = torch.randint(-2, 3, (num_centroids, 8), generator=gen).float().to(device)
+        hidden = torch.randint(-1, 2, (5, 8), generator=gen).float().to(device)
+        vocab = num_centroids * 2
+        mask = CentroidMask(cw, torch.randperm(vocab, generator=gen).to(device), top_k)
+        state = prepare_fused_centroid_argmax(mask, vocab)
+        sel, count, picks = select_centroids_ranked(state, hidden, cw)
+        want = select_centroids_reference(hidden @ cw.t(), top_k)
+        got = torch.zeros_like(want)
+        got.scatter_(1, sel.long(), True)
+        assert torch.equal(got, want), num_centroids
+        # sel is in rank order: scores descending, ties by centroid index.
+        order = torch.sort(hidden @ cw.t(), dim=1, descending=True, stable=True).indices
+        assert torch.equal(sel.long(), order[:, :top_k])
+        assert torch.equal(count.long(), want.sum(0))
+        for c in range(num_centroids):
+            entries = picks[c, : int(count[c])].long()
+            tokens, ranks = entries // top_k, entries % top_k
+            assert torch.equal(sel[tokens, ranks].long(), torch.full_like(tokens, c))
 
 
 def _check_score_ties(device: str) -> None:
@@ -280,7 +352,7 @@ def _check_score_ties(device: str) -> None:
     cw[others] = cw[kth].clone()
     mask = CentroidMask(cw, mask.token_ordering, mask.top_k)
     want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
-    for path in ("gather", "dense"):
+    for path in FORCED:
         got = centroid_argmax_fused(mask, hidden, lm_head, path=path)
         assert torch.equal(got, want), (path, got, want)
 
@@ -292,12 +364,22 @@ def _check_score_ties(device: str) -> None:
 def test_kernels_under_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-c", "import test_centroid_argmax_cuda as t; t._interpreter_checks()"],
-        cwd=Path(__file__).parent,
-        env=dict(env, PYTHONPATH=os.pathsep.join([str(root), env.get("PYTHONPATH", "")])),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    procs = {
+        group: subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                f"import test_centroid_argmax_cuda as t; t._interpreter_checks({group!r})",
+            ],
+            cwd=Path(__file__).parent,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for group in INTERPRETER_GROUPS
+    }
+    for group, proc in procs.items():
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, f"{group}:\n{out}"
