@@ -11,11 +11,16 @@ of ``--reps`` replays is reported. On CPU (no graphs, few reps; ``--smoke`` shri
 it only checks that everything runs. "bytes" is each variant's minimal traffic model (below),
 "GB/s" that model divided by the median time.
 
-Minimal bytes: gather = centroid weights + T x (top_k x V/C lm_head rows + their int32 ids);
-dense = centroid weights + the rows (and int32 ids) of the union of the centroids picked in
-each block of 64 tokens; full-vocab = the whole lm_head + centroid weights; in-tree = its floor,
-the same as gather (it also writes and re-reads the gathered rows, which the model does not
-count); ours-select (kernel 1 alone: centroid scores + top-k) = the centroid weights.
+Minimal bytes: persistent and gather = centroid weights + T x (top_k x V/C lm_head rows + their
+int32 ids); centroid (the centroid-major path) = centroid weights + the rows (and int32 ids) of
+the union of all tokens' picked centroids; dense = the same union, but per block of 64 tokens;
+full-vocab = the whole lm_head + centroid weights; in-tree = its floor, the same as gather (it
+also writes and re-reads the gathered rows, which the model does not count); ours-select (the
+centroid path's scores + rank top-k kernels alone) = the centroid weights.
+
+Variants: ours-auto (the dispatcher), ours-persistent, ours-centroid, ours-gather, ours-dense
+(each path forced; persistent runs the centroid path where T exceeds the SM count), ours-select,
+torch-sparse, in-tree, full-vocab, graph-floor. ``--variants a,b`` times only those.
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ import torch
 from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax
 from gemma4_spec.ops.centroid_argmax_triton import (
     DENSE_MIN_TOKENS,
-    _select_centroids,
     _state_for,
     centroid_argmax_fp32_reference,
     centroid_argmax_fused,
+    persistent_fits,
+    select_centroids_ranked,
     triton_usable,
 )
 
@@ -103,6 +109,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None, help="default 200 on CUDA, 3 on CPU")
     parser.add_argument("--smoke", action="store_true", help="small sizes (CPU smoke test)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.add_argument("--variants", default=None, help="comma-separated names (default all)")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cuda = device.type == "cuda"
@@ -134,24 +141,46 @@ def main() -> None:
     def gather_bytes(t: int) -> int:
         return centroids * d * es + t * (top_k * tpc * (d * es + 4) + d * es)
 
-    def dense_bytes(h: torch.Tensor) -> int:
-        """Centroid weights + the union of each 64-token block's picked centroids' rows."""
+    def union_bytes(h: torch.Tensor, block: int) -> int:
+        """Centroid weights + the union of each ``block``-token block's picked centroids'
+        rows (and their int32 ids) + the hidden states."""
         picks = (h.float() @ centroid_w.float().t()).topk(top_k, dim=-1).indices
-        union = sum(int(b.unique().numel()) for b in picks.split(64))
+        union = sum(int(b.unique().numel()) for b in picks.split(block))
         return centroids * d * es + union * tpc * (d * es + 4) + h.numel() * es
+
+    def dense_bytes(h: torch.Tensor) -> int:
+        return union_bytes(h, 64)
+
+    def centroid_bytes(h: torch.Tensor) -> int:
+        return union_bytes(h, max(1, h.shape[0]))
 
     print(
         f"device={device} dtype={args.dtype} V={vocab} C={centroids} top_k={top_k} d={d} "
         f"reps={reps} dense_min_tokens={DENSE_MIN_TOKENS}"
     )
-    print(f"{'T':>4} {'variant':<14} {'median us':>10} {'MB':>8} {'GB/s':>8} {'ok':>4}")
+    print(f"{'T':>4} {'variant':<15} {'median us':>10} {'MB':>8} {'GB/s':>8} {'ok':>4}")
     rows = []
     for t in (int(x) for x in args.tokens.split(",")):
         hidden = torch.randn(t, d, generator=gen).to(device, dtype)
         want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
-        auto_bytes = dense_bytes(hidden) if t >= DENSE_MIN_TOKENS else gather_bytes(t)
+        small = fused and t < DENSE_MIN_TOKENS and persistent_fits(t, device, centroids)
+        persistent_bytes = (
+            gather_bytes(t) if fused and persistent_fits(t, device, centroids)
+            else centroid_bytes(hidden)
+        )  # fmt: skip
+        auto_bytes = gather_bytes(t) if small else centroid_bytes(hidden)
         variants: list[tuple[str, Callable[[], torch.Tensor], int]] = [
             ("ours-auto", lambda h=hidden: centroid_argmax_fused(mask, h, lm_head), auto_bytes),
+            (
+                "ours-persistent",
+                lambda h=hidden: centroid_argmax_fused(mask, h, lm_head, path="persistent"),
+                persistent_bytes,
+            ),
+            (
+                "ours-centroid",
+                lambda h=hidden: centroid_argmax_fused(mask, h, lm_head, path="centroid"),
+                centroid_bytes(hidden),
+            ),
             (
                 "ours-gather",
                 lambda h=hidden: centroid_argmax_fused(mask, h, lm_head, path="gather"),
@@ -177,25 +206,28 @@ def main() -> None:
             variants.append(("graph-floor", lambda x=tiny: x.add_(1), 0))
         if fused:
             variants.insert(
-                3,
+                5,
                 (
-                    "ours-select",  # kernel 1 alone (scores + top-k), as the gather path runs it
-                    lambda h=hidden: _select_centroids(
-                        _state_for(mask, vocab), h, mask.centroids_weight, True, False
+                    "ours-select",  # the centroid path's scores + rank top-k kernels alone
+                    lambda h=hidden: select_centroids_ranked(
+                        _state_for(mask, vocab), h, mask.centroids_weight
                     )[0],
                     centroids * d * es,
                 ),
             )
+        if args.variants:
+            wanted = set(args.variants.split(","))
+            variants = [v for v in variants if v[0] in wanted]
         for name, fn, nbytes in variants:
             try:
                 us = _time_cuda(fn, reps, flush) if cuda else _time_cpu(fn, reps)
             except Exception as exc:  # e.g. a variant that cannot be captured
-                print(f"{t:>4} {name:<14} failed: {type(exc).__name__}: {exc}"[:200])
+                print(f"{t:>4} {name:<15} failed: {type(exc).__name__}: {exc}"[:200])
                 continue
             no_check = name in ("ours-select", "graph-floor")
             agree = float("nan") if no_check else (fn() == want).float().mean().item()
             gbps = nbytes / (us * 1e-6) / 1e9
-            print(f"{t:>4} {name:<14} {us:>10.1f} {nbytes / 1e6:>8.1f} {gbps:>8.0f} {agree:>4.2f}")
+            print(f"{t:>4} {name:<15} {us:>10.1f} {nbytes / 1e6:>8.1f} {gbps:>8.0f} {agree:>4.2f}")
             rows.append(
                 {
                     "tokens": t,
