@@ -597,21 +597,21 @@ if HAS_TRITON:
                 r_ok = (local < ROWS) & (j < K * TPC)
                 c = tl.load(sel_ptr + t * K + j // TPC, mask=r_ok, other=0, cache_modifier=".cg")
                 ids = tl.load(ordering_ptr + c * TPC + j % TPC, mask=r_ok, other=0)
-                acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-                for d0 in range(0, D, BLOCK_D):
-                    offs_d = d0 + tl.arange(0, BLOCK_D)
-                    d_ok = offs_d < D
-                    hv = tl.load(h_ptr + t * stride_h + offs_d, mask=d_ok, other=0.0)
+                logit = tl.zeros([BLOCK_R], dtype=tl.float32)
+                for e0 in range(0, D, BLOCK_D):
+                    offs_e = e0 + tl.arange(0, BLOCK_D)
+                    e_ok = offs_e < D
+                    hv3 = tl.load(h_ptr + t * stride_h + offs_e, mask=e_ok, other=0.0)
                     w = tl.load(
-                        w_ptr + ids[:, None].to(tl.int64) * stride_w + offs_d[None, :],
-                        mask=r_ok[:, None] & d_ok[None, :],
+                        w_ptr + ids[:, None].to(tl.int64) * stride_w + offs_e[None, :],
+                        mask=r_ok[:, None] & e_ok[None, :],
                         other=0.0,
                     ).to(tl.float32)
-                    acc += tl.sum(w * hv.to(tl.float32)[None, :], axis=1)
+                    logit += tl.sum(w * hv3.to(tl.float32)[None, :], axis=1)
                 sup = tl.load(sup_ptr + ids, mask=r_ok, other=1)
                 ok = r_ok & (sup == 0)
-                take = ok & ((acc > best_v) | ((acc == best_v) & (ids < best_i)))
-                best_v = tl.where(take, acc, best_v)
+                take = ok & ((logit > best_v) | ((logit == best_v) & (ids < best_i)))
+                best_v = tl.where(take, logit, best_v)
                 best_i = tl.where(take, ids, best_i)
             m, i = _best_of(best_v, best_i, 0, V)
             tl.store(part_val_ptr + t * P + p, m)
