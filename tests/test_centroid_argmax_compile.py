@@ -52,11 +52,13 @@ REAL_V = 262144
 def test_persistent_kernel_compiles_with_barriers(progs: int) -> None:
     block_c = 2048 // progs
     rows = 32 * 128 // progs
+    block_r = min(m.PERSISTENT_BLOCK_R, rows)
     ptx = _compile(
         m._persistent_kernel,
-        dict(P=progs, BLOCK_C=block_c, ROWS=rows, BLOCK_R=min(m.PERSISTENT_BLOCK_R, rows),
+        dict(P=progs, BLOCK_C=block_c, ROWS=rows, BLOCK_R=block_r,
              BLOCK_D=256, RANK_CHUNK=max(16, min(2048, 8192 // block_c)), BLOCK_P=progs,
              V=REAL_V, PHASE=0),
+        8 if block_r * 256 >= 16384 else 4,
     )  # fmt: skip
     assert ptx.count("release") >= 2 and ptx.count("acquire") >= 2
 

@@ -845,7 +845,7 @@ DENSE_BLOCK_D = 128
 DENSE_MAX_BLOCK_T = 64
 PERSISTENT_PROGRAMS = 128  # programs per token of the persistent kernel, at most
 PERSISTENT_INTERPRET_SMS = 16  # "SM count" under the interpreter (small test grids)
-PERSISTENT_BLOCK_R = 32
+PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T grows)
 SCORES_MAX_BLOCK_T = 64
 SCORES_DOT_BLOCK_C = 64
 SELECT_BLOCK_I = 128
@@ -1073,16 +1073,18 @@ def centroid_argmax_persistent(
         c, d, k, tpc, hidden.stride(0), mask.centroids_weight.stride(0),
         lm_head_weight.stride(0),
     )  # fmt: skip
+    block_r = min(PERSISTENT_BLOCK_R, triton.next_power_of_2(rows))
+    block_d = min(256, triton.next_power_of_2(d))
     meta = dict(
         P=progs,
         BLOCK_C=block_c,
         ROWS=rows,
-        BLOCK_R=min(PERSISTENT_BLOCK_R, triton.next_power_of_2(rows)),
-        BLOCK_D=min(256, triton.next_power_of_2(d)),
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
         RANK_CHUNK=max(16, min(triton.next_power_of_2(c), 8192 // block_c)),
         BLOCK_P=triton.next_power_of_2(progs),
         V=vocab,
-        num_warps=4,
+        num_warps=8 if block_r * block_d >= 16384 else 4,  # more rows in flight per program
     )
     grid = (num_tokens, progs)
     if _interpreting():  # programs run one after another there: a barrier would never open
