@@ -21,7 +21,8 @@ so the work spreads over many programs, and a picked centroid writes itself to `
   writes the token, and resets the barrier and finish counters to zero (every program has
   passed both barriers by then) for the next call or graph replay. Under Triton's CPU
   interpreter, which runs programs one after another, the kernel is launched once per phase
-  instead (the ``PHASE`` constexpr) with no barriers. More tokens than SMs: the next path.
+  instead (the ``PHASE`` constexpr) with no barriers, unless ``P`` is 1 (a barrier of one
+  program opens at once). More tokens than SMs: the next path.
 * **larger T** (``path="centroid"``), three kernels:
   1. ``_scores_dot_kernel``, grid ``(T / BLOCK_T, C / BLOCK_C)``: fp32 scores by ``tl.dot``
      over token blocks, so the centroid weights are read once per token block, not per token.
@@ -1087,8 +1088,8 @@ def centroid_argmax_persistent(
         num_warps=8 if block_r * block_d >= 16384 else 4,  # more rows in flight per program
     )
     grid = (num_tokens, progs)
-    if _interpreting():  # programs run one after another there: a barrier would never open
-        for phase in (1, 2, 3):
+    if _interpreting() and progs > 1:  # programs run one after another there: a barrier
+        for phase in (1, 2, 3):  # with more than one program per token would never open
             _persistent_kernel[grid](*args, PHASE=phase, **meta)
     else:
         _persistent_kernel[grid](*args, PHASE=0, **meta)
