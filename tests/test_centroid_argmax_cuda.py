@@ -25,6 +25,7 @@ import torch
 from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax
 from gemma4_spec.ops.centroid_argmax_triton import (
     HAS_TRITON,
+    _state_for,
     centroid_argmax_fp32_reference,
     centroid_argmax_fused,
     masked_logits_fp32_reference,
@@ -227,6 +228,8 @@ def test_cuda_graph_replay(num_tokens: int, path: str) -> None:
         static_h.copy_(fresh)
         graph.replay()
         _assert_tokens(static_out.clone(), fresh, lm_head, mask)
+    torch.cuda.synchronize()
+    assert not _state_for(mask, REAL["vocab"]).counters.any()
 
 
 @needs_cuda
@@ -245,6 +248,11 @@ def test_all_scores_and_logits_equal(cfg: dict, path: str) -> None:
 @needs_cuda
 def test_rank_select_matches_stable_sort() -> None:
     _check_rank_select("cuda")
+
+
+@needs_cuda
+def test_counters_reset_after_every_path() -> None:
+    _check_counters_reset("cuda")
 
 
 @needs_cuda
@@ -280,6 +288,8 @@ def _interpreter_checks(group: str = "new") -> None:
     forced = [p for p in paths if p != "auto"]
     for dtype in (torch.float32, torch.bfloat16):
         for path in paths:
+            if path == "auto" and dtype != torch.float32:
+                continue  # the dispatcher only picks one of the forced paths
             for num_tokens in (1, 3, 5):
                 _check_random(TINY, dtype, "cpu", num_tokens, path)
             _check_ties(TINY, dtype, "cpu", 2, path)
@@ -303,6 +313,22 @@ def _interpreter_checks(group: str = "new") -> None:
             _check_all_suppressed(ODD, dtype, "cpu", path)
     _check_random(ODD, torch.float32, "cpu", 40, "centroid")  # several picks per centroid
     _check_rank_select("cpu")
+    _check_counters_reset("cpu")
+
+
+def _check_counters_reset(device: str) -> None:
+    """Every "last program" and grid-barrier counter is back at zero after each path, so the
+    next call (or graph replay) starts clean. Under the interpreter, 9 to 16 tokens give one
+    persistent program per token: the single launch with its (then trivial) barriers."""
+    lm_head, mask = _make(**TINY, dtype=torch.float32, device=device, seed=61)
+    for num_tokens in (1, 12):
+        hidden = _hidden(num_tokens, TINY["d"], torch.float32, device, seed=62 + num_tokens)
+        for path in FORCED if device == "cuda" else ("persistent", "centroid"):
+            first = centroid_argmax_fused(mask, hidden, lm_head, path=path)
+            _assert_tokens(first, hidden, lm_head, mask)
+            assert torch.equal(centroid_argmax_fused(mask, hidden, lm_head, path=path), first)
+            counters = _state_for(mask, TINY["vocab"]).counters
+            assert not counters.any(), (path, num_tokens, counters.nonzero().tolist())
 
 
 def _check_all_equal(cfg: dict, dtype: torch.dtype, device: str, path: str) -> None:
