@@ -43,7 +43,15 @@ so the work spreads over many programs, and a picked centroid writes itself to `
 
 ``path="auto"`` takes the persistent kernel below ``DENSE_MIN_TOKENS`` tokens (default 5,
 environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``dense_min_tokens`` argument)
-when its grid fits the GPU, and the centroid-major path otherwise.
+when its grid fits the GPU, and the centroid-major path otherwise. Block sizes, programs per
+token and row splits are the module constants ``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and
+``CENTROID_*``.
+
+Caveats: the persistent kernel's barriers assume all its programs are resident together; a
+kernel running concurrently on another stream that holds SMs until this one finishes could
+deadlock it (nothing in the draft step does). Many exact score ties at the ``top_k`` boundary
+(e.g. an all-zero hidden state) make ``_select_rank_kernel`` rank all ``C`` scores against each
+other: correct, but slower.
 
 The definition these kernels implement is ``centroid_argmax_fp32_reference``: everything in
 float32 from the given (e.g. bfloat16) values, centroid ties to the smallest centroid index,
