@@ -5,7 +5,7 @@ E2B-shaped random weights (``gemma4_spec.testing.e2b_shaped``), bf16, CUDA graph
 (almost) no drafts, so every step yields one token per sequence and the ratio of a speculative
 step to a plain step is the pure cost of speculating; it must stay small for speculation to pay
 off with a real assistant. Every configuration is its own engine process (``VLLM_PLUGINS`` picks
-ours or the in-tree one); they start together, then are timed one at a time.
+ours or the in-tree one); they start together, then are timed in rounds, taking turns.
 
     python benchmarks/e2e_decode.py --workdir /tmp/e2b --batch 1,8,32 --k 2,4 --json e2e.json
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 PROMPT_LEN = 128
 NEW_TOKENS = 128
-REPEATS = 3
+REPEATS = 5
 ENGINE = dict(
     dtype="bfloat16",
     skip_tokenizer_init=True,
@@ -84,29 +84,33 @@ def _worker(args: argparse.Namespace) -> None:
         llm.generate(prompts[batch], params, use_tqdm=False)
         return time.perf_counter() - start
 
-    for b in batches:  # warm-up
+    for b in batches:  # warm-up (also captures anything captured on first use)
         run(b, 8)
     faulthandler.cancel_dump_traceback_later()
     (control / f"{args.index}.ready").touch()
-    while not (control / f"{args.index}.go").exists():
-        time.sleep(0.2)
 
-    results: dict[str, Any] = {}
-    for b in batches:
-        before = spec_metrics(llm.get_metrics())
-        step_ms = []
-        for _ in range(REPEATS):
+    # Timed in rounds, the engines taking turns within each round (the parent says when), so
+    # that drift of the machine over the run spreads over every configuration alike.
+    step_ms: dict[int, list[float]] = {b: [] for b in batches}
+    before = spec_metrics(llm.get_metrics())
+    for rnd in range(REPEATS):
+        while not (control / f"{args.index}.go{rnd}").exists():
+            time.sleep(0.05)
+        for b in batches:
             prefill = run(b, 1)
             full = run(b, 1 + NEW_TOKENS)
-            step_ms.append((full - prefill) / NEW_TOKENS * 1e3)
-        acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
-        results[str(b)] = {
-            "step_ms": statistics.median(step_ms),
-            "step_ms_all": step_ms,
+            step_ms[b].append((full - prefill) / NEW_TOKENS * 1e3)
+        (control / f"{args.index}.done{rnd}").touch()
+    acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
+    results = {
+        str(b): {
+            "step_ms": statistics.median(step_ms[b]),
+            "step_ms_all": step_ms[b],
             "acceptance_rate": acc.acceptance_rate if acc.num_draft_tokens else None,
         }
+        for b in batches
+    }
     Path(args.out).write_text(json.dumps(results))
-    (control / f"{args.index}.done").touch()
 
 
 def _build(workdir: str) -> None:
@@ -176,10 +180,17 @@ def main() -> int:
             time.sleep(1)
     print(f"all engines ready after {time.perf_counter() - started:.0f} s", flush=True)
 
+    for rnd in range(REPEATS):
+        for i, (name, proc) in enumerate(procs):
+            (control / f"{i}.go{rnd}").touch()
+            while not (control / f"{i}.done{rnd}").exists():
+                if proc.poll() is not None:
+                    tail = (Path(args.workdir) / f"engine-{i}.log").read_text()[-6000:]
+                    raise SystemExit(f"engine '{name}' failed:\n{tail}")
+                time.sleep(0.05)
     results: dict[str, Any] = {}
     for i, (name, proc) in enumerate(procs):
-        (control / f"{i}.go").touch()
-        proc.wait(timeout=600)
+        proc.wait(timeout=300)
         if proc.returncode != 0:
             tail = (Path(args.workdir) / f"engine-{i}.log").read_text()[-6000:]
             raise SystemExit(f"engine '{name}' failed:\n{tail}")
@@ -195,20 +206,28 @@ def main() -> int:
 
 
 def _print_table(results: dict[str, Any]) -> None:
-    base_name = next((n for n in results if n.startswith("plain (V2")), next(iter(results)))
-    batches = list(results[base_name])
-    print(f"\ndecode step time, ms (ratio to '{base_name}'); acceptance on random weights")
-    print(f"{'configuration':28}" + "".join(f"{'B=' + b:>22}" for b in batches))
+    """Each speculative run's step time, with its ratio to the plain run on the same model
+    runner (the pure cost of speculating there) and to vLLM's default plain run."""
+    plain = {runner: next((n for n in results if n == f"plain ({runner}{tail}"), None)
+             for runner, tail in (("V2", ", vLLM default)"), ("V1", ")"))}  # fmt: skip
+    default = plain["V2"] or next(iter(results))
+    batches = list(results[default])
+    print(f"\ndecode step time, ms (x same-runner plain / x '{default}'); acceptance a")
+    print(f"{'configuration':26}" + "".join(f"{'B=' + b:>26}" for b in batches))
     for name, per_batch in results.items():
+        runner = "V1" if "(V1" in name else "V2"
+        same = plain[runner] or default
         cells = []
         for b in batches:
             ms = per_batch[b]["step_ms"]
-            ratio = ms / results[base_name][b]["step_ms"]
+            own = ms / results[same][b]["step_ms"]
+            ratio = ms / results[default][b]["step_ms"]
             acc = per_batch[b]["acceptance_rate"]
             cells.append(
-                f"{ms:7.3f} ({ratio:4.2f}x)" + (f" a={acc:.2f}" if acc is not None else "")
+                f"{ms:6.3f} {own:4.2f}x/{ratio:4.2f}x"
+                + (f" a={acc:.2f}" if acc is not None else "")
             )
-        print(f"{name:28}" + "".join(f"{c:>22}" for c in cells))
+        print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
 
 
 if __name__ == "__main__":
