@@ -132,6 +132,8 @@ class DraftLoopGraphs:
         if self._seq_lens is None:
             capacity = p.vllm_config.compilation_config.max_cudagraph_capture_size
             self._seq_lens = torch.ones(capacity, dtype=torch.int32, device=p.device)
+        if size > self._seq_lens.shape[0]:  # the drafter's sizes stay within vLLM's maximum
+            return None
         seq_lens = self._seq_lens[:size]
         seq_lens[:batch_size].copy_(metadata.seq_lens[:batch_size])
         seq_lens[batch_size:].fill_(1)
