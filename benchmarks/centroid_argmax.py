@@ -11,16 +11,16 @@ of ``--reps`` replays is reported. On CPU (no graphs, few reps; ``--smoke`` shri
 it only checks that everything runs. "bytes" is each variant's minimal traffic model (below),
 "GB/s" that model divided by the median time.
 
-Minimal bytes: persistent and gather = centroid weights + T x (top_k x V/C lm_head rows + their
-int32 ids); centroid (the centroid-major path) = centroid weights + the rows (and int32 ids) of
-the union of all tokens' picked centroids; dense = the same union, but per block of 64 tokens;
-full-vocab = the whole lm_head + centroid weights; in-tree = its floor, the same as gather (it
-also writes and re-reads the gathered rows, which the model does not count); ours-select (the
-centroid path's scores + rank top-k kernels alone) = the centroid weights.
+Minimal bytes: persistent = centroid weights + T x (top_k x V/C lm_head rows + their int32
+ids); centroid (the centroid-major path) = centroid weights + the rows (and int32 ids) of the
+union of all tokens' picked centroids; full-vocab = the whole lm_head + centroid weights;
+in-tree and torch-sparse = their floor, the same as persistent (they also write and re-read the
+gathered rows, which the model does not count); ours-select (the centroid path's scores + rank
+top-k kernels alone) = the centroid weights.
 
-Variants: ours-auto (the dispatcher), ours-persistent, ours-centroid, ours-gather, ours-dense
-(each path forced; persistent runs the centroid path where T exceeds the SM count), ours-select,
-torch-sparse, in-tree, full-vocab, graph-floor. ``--variants a,b`` times only those.
+Variants: ours-auto (the dispatcher), ours-persistent, ours-centroid (each path forced;
+persistent runs the centroid path where T exceeds the SM count), ours-select, torch-sparse,
+in-tree, full-vocab, graph-floor. ``--variants a,b`` times only those.
 """
 
 from __future__ import annotations
@@ -138,21 +138,15 @@ def main() -> None:
 
     head_bytes = vocab * d * es + centroids * d * es
 
-    def gather_bytes(t: int) -> int:
+    def per_token_bytes(t: int) -> int:
         return centroids * d * es + t * (top_k * tpc * (d * es + 4) + d * es)
 
-    def union_bytes(h: torch.Tensor, block: int) -> int:
-        """Centroid weights + the union of each ``block``-token block's picked centroids'
-        rows (and their int32 ids) + the hidden states."""
-        picks = (h.float() @ centroid_w.float().t()).topk(top_k, dim=-1).indices
-        union = sum(int(b.unique().numel()) for b in picks.split(block))
-        return centroids * d * es + union * tpc * (d * es + 4) + h.numel() * es
-
-    def dense_bytes(h: torch.Tensor) -> int:
-        return union_bytes(h, 64)
-
     def centroid_bytes(h: torch.Tensor) -> int:
-        return union_bytes(h, max(1, h.shape[0]))
+        """Centroid weights + the union of all tokens' picked centroids' rows (and their int32
+        ids) + the hidden states."""
+        picks = (h.float() @ centroid_w.float().t()).topk(top_k, dim=-1).indices
+        union = int(picks.unique().numel())
+        return centroids * d * es + union * tpc * (d * es + 4) + h.numel() * es
 
     print(
         f"device={device} dtype={args.dtype} V={vocab} C={centroids} top_k={top_k} d={d} "
@@ -165,10 +159,10 @@ def main() -> None:
         want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
         small = fused and t < DENSE_MIN_TOKENS and persistent_fits(t, device, centroids)
         persistent_bytes = (
-            gather_bytes(t) if fused and persistent_fits(t, device, centroids)
+            per_token_bytes(t) if fused and persistent_fits(t, device, centroids)
             else centroid_bytes(hidden)
         )  # fmt: skip
-        auto_bytes = gather_bytes(t) if small else centroid_bytes(hidden)
+        auto_bytes = per_token_bytes(t) if small else centroid_bytes(hidden)
         variants: list[tuple[str, Callable[[], torch.Tensor], int]] = [
             ("ours-auto", lambda h=hidden: centroid_argmax_fused(mask, h, lm_head), auto_bytes),
             (
@@ -182,22 +176,16 @@ def main() -> None:
                 centroid_bytes(hidden),
             ),
             (
-                "ours-gather",
-                lambda h=hidden: centroid_argmax_fused(mask, h, lm_head, path="gather"),
-                gather_bytes(t),
+                "torch-sparse",
+                lambda h=hidden: centroid_argmax(h, lm_head, mask),
+                per_token_bytes(t),
             ),
-            (
-                "ours-dense",
-                lambda h=hidden: centroid_argmax_fused(mask, h, lm_head, path="dense"),
-                dense_bytes(hidden),
-            ),
-            ("torch-sparse", lambda h=hidden: centroid_argmax(h, lm_head, mask), gather_bytes(t)),
             (
                 "in-tree",
                 (lambda h=hidden: embedder.get_top_tokens(h, lm_head))
                 if embedder is not None
                 else (lambda h=hidden: in_tree_restated(h, lm_head, mask)),
-                gather_bytes(t),
+                per_token_bytes(t),
             ),
             ("full-vocab", lambda h=hidden: (h @ lm_head.t()).argmax(-1), head_bytes),
         ]
@@ -206,7 +194,7 @@ def main() -> None:
             variants.append(("graph-floor", lambda x=tiny: x.add_(1), 0))
         if fused:
             variants.insert(
-                5,
+                3,
                 (
                     "ours-select",  # the centroid path's scores + rank top-k kernels alone
                     lambda h=hidden: select_centroids_ranked(

@@ -35,7 +35,7 @@ from gemma4_spec.ops.centroid_argmax_triton import (
     select_centroids_reference,
 )
 
-PATHS = ("persistent", "centroid", "gather", "dense", "auto")
+PATHS = ("persistent", "centroid", "auto")
 FORCED = PATHS[:-1]
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_TRITON),
@@ -282,36 +282,39 @@ def test_cpu_falls_back_to_torch_path() -> None:
     _assert_tokens(got, hidden, lm_head, mask)
 
 
-# The interpreter checks run as two concurrent subprocesses (kernel groups), to keep CPU CI short.
-INTERPRETER_GROUPS = {"new": ("persistent", "centroid", "auto"), "old": ("gather", "dense")}
+# The interpreter checks run as two concurrent subprocesses, to keep CPU CI short.
+INTERPRETER_GROUPS = ("paths", "special")
 
 
-def _interpreter_checks(group: str = "new") -> None:
-    """Small-size kernel checks, run on CPU tensors with TRITON_INTERPRET=1."""
-    paths = INTERPRETER_GROUPS[group]
-    forced = [p for p in paths if p != "auto"]
+def _interpreter_checks(group: str = "paths") -> None:
+    """Small-size kernel checks, run on CPU tensors with TRITON_INTERPRET=1: random, tied and
+    suppressed tokens through each path ("paths"), then the edge cases ("special")."""
+    if group == "special":
+        _interpreter_special_checks()
+        return
     for dtype in (torch.float32, torch.bfloat16):
-        for path in paths:
+        for path in PATHS:
             if path == "auto" and dtype != torch.float32:
                 continue  # the dispatcher only picks one of the forced paths
             for num_tokens in (1, 3, 5):
                 _check_random(TINY, dtype, "cpu", num_tokens, path)
             _check_ties(TINY, dtype, "cpu", 2, path)
             _check_suppressed(TINY, dtype, "cpu", 3, path)
-        for path in forced:
+        for path in FORCED:
             _check_all_suppressed(TINY, dtype, "cpu", path)
     # A block of 16 tokens through tl.dot; more tokens than the persistent grid holds.
-    for path in forced:
+    for path in FORCED:
         _check_random(TINY, torch.float32, "cpu", 17, path)
     # Several row blocks per program (V / C > 128) and several token blocks.
     wide = {"vocab": 2048, "centroids": 8, "top_k": 3, "d": 32}
-    for path in forced:
-        _check_random(wide, torch.float32, "cpu", 20 if path == "gather" else 70, path)
-    if group != "new":
-        return
+    for path in FORCED:
+        _check_random(wide, torch.float32, "cpu", 70, path)
+
+
+def _interpreter_special_checks() -> None:
     _check_score_ties("cpu")
     for dtype in (torch.float32, torch.bfloat16):
-        for path in forced:
+        for path in FORCED:
             _check_random(ODD, dtype, "cpu", 3, path)
             _check_all_equal(ODD, dtype, "cpu", path)
             _check_all_suppressed(ODD, dtype, "cpu", path)
@@ -327,7 +330,7 @@ def _check_counters_reset(device: str) -> None:
     lm_head, mask = _make(**TINY, dtype=torch.float32, device=device, seed=61)
     for num_tokens in (1, 12):
         hidden = _hidden(num_tokens, TINY["d"], torch.float32, device, seed=62 + num_tokens)
-        for path in FORCED if device == "cuda" else ("persistent", "centroid"):
+        for path in FORCED:
             first = centroid_argmax_fused(mask, hidden, lm_head, path=path)
             _assert_tokens(first, hidden, lm_head, mask)
             assert torch.equal(centroid_argmax_fused(mask, hidden, lm_head, path=path), first)

@@ -36,16 +36,13 @@ so the work spreads over many programs, and a picked centroid writes itself to `
      the lm_head traffic is the union of all tokens' picks (at most the whole lm_head once,
      whatever T). Per (token, rank, split) partial maxima; the program bringing a token's
      last partial reduces them.
-* older paths, kept for comparison (``path="gather"`` / ``"dense"``): ``_scores_select_kernel``
-  (scores, then a radix top-k in the last program of each token), followed by
-  ``_gather_argmax_kernel`` (per token, split-K over the picked rows) or
-  ``_dense_argmax_kernel`` (per block of up to 64 tokens and centroid).
 
 ``path="auto"`` takes the persistent kernel below ``DENSE_MIN_TOKENS`` tokens (default 5,
 environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``dense_min_tokens`` argument)
-when its grid fits the GPU, and the centroid-major path otherwise. Block sizes, programs per
-token and row splits are the module constants ``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and
-``CENTROID_*``.
+when its grid fits the GPU, and the centroid-major path otherwise. Two older paths (a radix
+top-k followed by a per-token gather-argmax or a per-token-block dense argmax) never beat these
+two on an H200 and were removed. Block sizes, programs per token and row splits are the module
+constants ``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and ``CENTROID_*``.
 
 Caveats: the persistent kernel's barriers assume all its programs are resident together; a
 kernel running concurrently on another stream that holds SMs until this one finishes could
@@ -145,10 +142,9 @@ def centroid_argmax_fp32_reference(
 # --------------------------------------------------------------------------------------------
 
 # Rows of ``FusedCentroidState.counters``: one per kernel counter, each [capacity] (per token).
-_ROW_SELECT, _ROW_GATHER, _ROW_DENSE = 0, 1, 2
-_ROW_BAR1, _ROW_BAR2, _ROW_DONE = 3, 4, 5  # the persistent kernel's
-_ROW_CENTROID = 6
-COUNTER_ROWS = 7
+_ROW_BAR1, _ROW_BAR2, _ROW_DONE = 0, 1, 2  # the persistent kernel's
+_ROW_CENTROID = 3  # _centroid_argmax_kernel's
+COUNTER_ROWS = 4
 
 
 @dataclass
@@ -241,74 +237,6 @@ if HAS_TRITON:
         return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
     @triton.jit
-    def _scores_select_kernel(
-        h_ptr,  # [T, D]
-        cw_ptr,  # [C, D]
-        scores_ptr,  # [T, C] fp32 scratch
-        sel_ptr,  # [T, K] int32 out: selected centroid ids (ascending)
-        slot_ptr,  # [C, T] int32 out: rank among the selected (ascending id), -1 if not
-        counter_ptr,  # [T] int32, zero on entry and on exit
-        T,
-        C,
-        D,
-        K,
-        stride_h,
-        stride_cw,
-        BLOCK_C: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_ALL_C: tl.constexpr,
-        WRITE_SEL: tl.constexpr,
-        WRITE_SLOT: tl.constexpr,
-    ):
-        t = tl.program_id(0)
-        cb = tl.program_id(1)
-        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        c_ok = offs_c < C
-        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = offs_d < D
-            hv = tl.load(h_ptr + t * stride_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            w = tl.load(
-                cw_ptr + offs_c[:, None] * stride_cw + offs_d[None, :],
-                mask=c_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            acc += tl.sum(w * hv[None, :], axis=1)
-        tl.store(scores_ptr + t * C + offs_c, acc, mask=c_ok)
-        tl.debug_barrier()  # every thread's stores before the (releasing) counter update
-        # The last program of this token selects its top-K centroids from all C scores.
-        done = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel")
-        if done == tl.num_programs(1) - 1:
-            tl.debug_barrier()
-            offs = tl.arange(0, BLOCK_ALL_C)
-            ok = offs < C
-            s = tl.load(scores_ptr + t * C + offs, mask=ok, other=0.0, cache_modifier=".cg")
-            # Unsigned keys in [0, 2**32); padding gets -1 so it never counts.
-            u = tl.where(ok, _sortable_key(s).to(tl.int64) + 2**31, -1)
-            # The K-th largest key, 4 bits per round: 16 thresholds tested at once, keep the
-            # largest one that at least K keys reach (8 rounds instead of 32 bisection steps).
-            probe = tl.arange(0, 16).to(tl.int64)
-            kth = tl.full([], 0, tl.int64)
-            for r in tl.static_range(8):
-                x = kth + (probe << (28 - 4 * r))
-                cnt = tl.sum((u[None, :] >= x[:, None]).to(tl.int32), axis=1)
-                kth += (tl.sum((cnt >= K).to(tl.int64), axis=0) - 1) << (28 - 4 * r)
-            above = u > kth
-            need = K - tl.sum(above.to(tl.int32), axis=0)
-            equal = (u == kth) & ok
-            eq_i = equal.to(tl.int32)
-            eq_before = tl.cumsum(eq_i, axis=0) - eq_i
-            chosen = ok & (above | (equal & (eq_before < need)))
-            ch_i = chosen.to(tl.int32)
-            pos = tl.cumsum(ch_i, axis=0) - ch_i
-            if WRITE_SEL:
-                tl.store(sel_ptr + t * K + pos, offs, mask=chosen)
-            if WRITE_SLOT:  # [C, T]: each centroid's slot among the token's picks, or -1
-                tl.store(slot_ptr + offs * T + t, tl.where(chosen, pos, -1), mask=ok)
-            tl.store(counter_ptr + t, 0)
-
-    @triton.jit
     def _best_of(vals, ids, axis: tl.constexpr, SENTINEL: tl.constexpr):
         """Max value along ``axis`` and the smallest id reaching it (SENTINEL if none valid)."""
         m = tl.max(vals, axis=axis)
@@ -318,172 +246,6 @@ if HAS_TRITON:
             hit = (vals == m[:, None]) & (ids < SENTINEL)
         i = tl.min(tl.where(hit, ids, SENTINEL), axis=axis)
         return m, i
-
-    @triton.jit
-    def _gather_argmax_kernel(
-        h_ptr,  # [T, D]
-        w_ptr,  # [V, D] lm_head
-        ordering_ptr,  # [V] int32
-        sel_ptr,  # [T, K] int32
-        sup_ptr,  # [V] int8
-        part_val_ptr,  # [T, K * SPLIT] fp32
-        part_idx_ptr,  # [T, K * SPLIT] int32
-        counter_ptr,  # [T] int32
-        out_ptr,  # [T] int64
-        D,
-        K,
-        TPC,
-        stride_h,
-        stride_w,
-        SPLIT: tl.constexpr,
-        ROWS: tl.constexpr,  # rows of one centroid per program: TPC / SPLIT (rounded up)
-        BLOCK_R: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_P: tl.constexpr,  # >= K * SPLIT
-        V: tl.constexpr,
-    ):
-        t = tl.program_id(0)
-        r = tl.program_id(1)
-        s = tl.program_id(2)
-        c = tl.load(sel_ptr + t * K + r)
-        best_v = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        best_i = tl.full([BLOCK_R], V, tl.int32)
-        for r0 in range(0, ROWS, BLOCK_R):
-            local = s * ROWS + r0 + tl.arange(0, BLOCK_R)
-            r_ok = (local < TPC) & (r0 + tl.arange(0, BLOCK_R) < ROWS)
-            ids = tl.load(ordering_ptr + c * TPC + local, mask=r_ok, other=0)
-            acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_D):
-                offs_d = d0 + tl.arange(0, BLOCK_D)
-                d_ok = offs_d < D
-                hv = tl.load(h_ptr + t * stride_h + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-                w = tl.load(
-                    w_ptr + ids[:, None].to(tl.int64) * stride_w + offs_d[None, :],
-                    mask=r_ok[:, None] & d_ok[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                acc += tl.sum(w * hv[None, :], axis=1)
-            sup = tl.load(sup_ptr + ids, mask=r_ok, other=1)
-            ok = r_ok & (sup == 0)
-            take = ok & ((acc > best_v) | ((acc == best_v) & (ids < best_i)))
-            best_v = tl.where(take, acc, best_v)
-            best_i = tl.where(take, ids, best_i)
-        m, i = _best_of(best_v, best_i, 0, V)
-        slot = r * SPLIT + s
-        tl.store(part_val_ptr + t * (K * SPLIT) + slot, m)
-        tl.store(part_idx_ptr + t * (K * SPLIT) + slot, i)
-        tl.debug_barrier()
-        done = tl.atomic_add(counter_ptr + t, 1, sem="acq_rel")
-        if done == K * SPLIT - 1:
-            tl.debug_barrier()
-            offs = tl.arange(0, BLOCK_P)
-            p_ok = offs < K * SPLIT
-            pv = tl.load(
-                part_val_ptr + t * (K * SPLIT) + offs,
-                mask=p_ok,
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            pi = tl.load(
-                part_idx_ptr + t * (K * SPLIT) + offs, mask=p_ok, other=V, cache_modifier=".cg"
-            )
-            _, best = _best_of(pv, pi, 0, V)
-            best = tl.where(best == V, 0, best)  # every candidate suppressed: argmax of -inf
-            tl.store(out_ptr + t, best.to(tl.int64))
-            tl.store(counter_ptr + t, 0)
-
-    @triton.jit
-    def _dense_argmax_kernel(
-        h_ptr,  # [T, D]
-        w_ptr,  # [V, D]
-        ordering_ptr,  # [V] int32
-        slot_ptr,  # [C, T] int32: slot of centroid c among token t's picks, -1 if not picked
-        sup_ptr,  # [V] int8
-        part_val_ptr,  # [T, K] fp32
-        part_idx_ptr,  # [T, K] int32
-        counter_ptr,  # [T] int32, zero on entry and on exit
-        out_ptr,  # [T] int64
-        T,
-        D,
-        K,
-        TPC,
-        stride_h,
-        stride_w,
-        BLOCK_T: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        V: tl.constexpr,
-        PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ):
-        tb = tl.program_id(0)
-        c = tl.program_id(1)
-        offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = offs_t < T
-        slot = tl.load(slot_ptr + c * T + offs_t, mask=t_ok, other=-1)
-        member = slot >= 0
-        # Centroid c's rows are read only if a token of this block picked it, and then once
-        # for all of them: the lm_head traffic is the union of the block's picks.
-        if tl.max(slot, axis=0) >= 0:
-            best_v = tl.full([BLOCK_T], float("-inf"), tl.float32)
-            best_i = tl.full([BLOCK_T], V, tl.int32)
-            for r0 in range(0, TPC, BLOCK_R):
-                offs_r = r0 + tl.arange(0, BLOCK_R)
-                r_ok = offs_r < TPC
-                ids = tl.load(ordering_ptr + c * TPC + offs_r, mask=r_ok, other=0)
-                acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-                for d0 in range(0, D, BLOCK_D):
-                    offs_d = d0 + tl.arange(0, BLOCK_D)
-                    d_ok = offs_d < D
-                    a = tl.load(
-                        h_ptr + offs_t[:, None] * stride_h + offs_d[None, :],
-                        mask=member[:, None] & d_ok[None, :],
-                        other=0.0,
-                    )
-                    b = tl.load(
-                        w_ptr + ids[None, :].to(tl.int64) * stride_w + offs_d[:, None],
-                        mask=r_ok[None, :] & d_ok[:, None],
-                        other=0.0,
-                    )
-                    if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
-                        a = a.to(tl.float32)
-                        b = b.to(tl.float32)
-                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
-                sup = tl.load(sup_ptr + ids, mask=r_ok, other=1)
-                ok = member[:, None] & (r_ok & (sup == 0))[None, :]
-                vals = tl.where(ok, acc, float("-inf"))
-                cand = tl.where(ok, ids[None, :], V)
-                m, i = _best_of(vals, cand, 1, V)
-                take = (i < V) & ((m > best_v) | ((m == best_v) & (i < best_i)))
-                best_v = tl.where(take, m, best_v)
-                best_i = tl.where(take, i, best_i)
-            tl.store(part_val_ptr + offs_t * K + slot, best_v, mask=member)
-            tl.store(part_idx_ptr + offs_t * K + slot, best_i, mask=member)
-            tl.debug_barrier()  # every thread's stores before the (releasing) counter updates
-            done = tl.atomic_add(counter_ptr + offs_t, 1, mask=member, sem="acq_rel")
-            fin = member & (done == K - 1)
-            # The program bringing a token's K-th partial reduces that token's partials.
-            if tl.max(fin.to(tl.int32), axis=0) > 0:
-                tl.debug_barrier()
-                offs_k = tl.arange(0, BLOCK_K)
-                pm = fin[:, None] & (offs_k < K)[None, :]
-                pv = tl.load(
-                    part_val_ptr + offs_t[:, None] * K + offs_k[None, :],
-                    mask=pm,
-                    other=float("-inf"),
-                    cache_modifier=".cg",
-                )
-                pi = tl.load(
-                    part_idx_ptr + offs_t[:, None] * K + offs_k[None, :],
-                    mask=pm,
-                    other=V,
-                    cache_modifier=".cg",
-                )
-                _, best = _best_of(pv, pi, 1, V)
-                best = tl.where(best == V, 0, best)  # every candidate suppressed
-                tl.store(out_ptr + offs_t, best.to(tl.int64), mask=fin)
-                tl.store(counter_ptr + offs_t, tl.zeros([BLOCK_T], tl.int32), mask=fin)
 
     # ---------------------------------------------------------------------------- rank top-k
 
@@ -846,12 +608,6 @@ if HAS_TRITON:
 # Launchers
 # --------------------------------------------------------------------------------------------
 
-SCORES_BLOCK_C = 16
-GATHER_SPLIT = 4
-GATHER_BLOCK_R = 32
-DENSE_BLOCK_R = 128
-DENSE_BLOCK_D = 128
-DENSE_MAX_BLOCK_T = 64
 PERSISTENT_PROGRAMS = 128  # programs per token of the persistent kernel, at most
 PERSISTENT_INTERPRET_SMS = 16  # "SM count" under the interpreter (small test grids)
 PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T grows)
@@ -864,45 +620,6 @@ CENTROID_BLOCK_R = 64
 CENTROID_BLOCK_D = 64
 
 
-def _select_centroids(
-    state: FusedCentroidState,
-    hidden: torch.Tensor,
-    centroids_weight: torch.Tensor,
-    write_sel: bool,
-    write_slot: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launches kernel 1: returns (sel [T, K] int32, slot [C, T] int32); only the asked-for
-    outputs are written."""
-    num_tokens, d = hidden.shape
-    c, k = state.num_centroids, state.top_k
-    dev = hidden.device
-    scores = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
-    sel = torch.empty(num_tokens if write_sel else 1, k, dtype=torch.int32, device=dev)
-    slot = torch.empty(c if write_slot else 1, num_tokens, dtype=torch.int32, device=dev)
-    grid = (num_tokens, triton.cdiv(c, SCORES_BLOCK_C))
-    _scores_select_kernel[grid](
-        hidden,
-        centroids_weight,
-        scores,
-        sel,
-        slot,
-        state.counters[_ROW_SELECT],
-        num_tokens,
-        c,
-        d,
-        k,
-        hidden.stride(0),
-        centroids_weight.stride(0),
-        BLOCK_C=SCORES_BLOCK_C,
-        BLOCK_D=min(256, triton.next_power_of_2(d)),
-        BLOCK_ALL_C=triton.next_power_of_2(c),
-        WRITE_SEL=write_sel,
-        WRITE_SLOT=write_slot,
-        num_warps=8 if c >= 2048 else 4,
-    )
-    return sel, slot
-
-
 def _check(mask: CentroidMask, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
     if hidden.dim() != 2 or lm_head_weight.dim() != 2:
         raise ValueError("hidden [T, d] and lm_head_weight [V, d] expected")
@@ -910,108 +627,6 @@ def _check(mask: CentroidMask, hidden: torch.Tensor, lm_head_weight: torch.Tenso
         raise ValueError("hidden size mismatch")
     if any(x.stride(1) != 1 for x in (hidden, lm_head_weight, mask.centroids_weight)):
         raise ValueError("the hidden dimension must be contiguous")
-
-
-def centroid_argmax_gather(
-    mask: CentroidMask,
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    state: FusedCentroidState | None = None,
-) -> torch.Tensor:
-    """Small-T path: two kernels, reading only the selected lm_head rows."""
-    _check(mask, hidden, lm_head_weight)
-    vocab = lm_head_weight.shape[0]
-    state = state or _state_for(mask, vocab)
-    num_tokens, d = hidden.shape
-    out = torch.empty(num_tokens, dtype=torch.int64, device=hidden.device)
-    if num_tokens == 0:
-        return out
-    state.ensure_capacity(num_tokens)
-    sel, _ = _select_centroids(state, hidden, mask.centroids_weight, True, False)
-    k = state.top_k
-    tpc = vocab // state.num_centroids
-    split = max(1, min(GATHER_SPLIT, tpc // 16))
-    rows = triton.cdiv(tpc, split)
-    block_r = min(GATHER_BLOCK_R, triton.next_power_of_2(rows))
-    part_val = torch.empty(num_tokens, k * split, dtype=torch.float32, device=hidden.device)
-    part_idx = torch.empty(num_tokens, k * split, dtype=torch.int32, device=hidden.device)
-    _gather_argmax_kernel[(num_tokens, k, split)](
-        hidden,
-        lm_head_weight,
-        state.ordering,
-        sel,
-        state.suppressed,
-        part_val,
-        part_idx,
-        state.counters[_ROW_GATHER],
-        out,
-        d,
-        k,
-        tpc,
-        hidden.stride(0),
-        lm_head_weight.stride(0),
-        SPLIT=split,
-        ROWS=rows,
-        BLOCK_R=block_r,
-        BLOCK_D=min(256, triton.next_power_of_2(d)),
-        BLOCK_P=triton.next_power_of_2(k * split),
-        V=vocab,
-    )
-    return out
-
-
-def centroid_argmax_dense(
-    mask: CentroidMask,
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    state: FusedCentroidState | None = None,
-) -> torch.Tensor:
-    """Larger-T path: one program per (token block, centroid) reads that centroid's lm_head
-    rows once for the whole token block (``tl.dot``), and only if some token of the block
-    picked it; per-token partials per picked centroid, reduced by the last contributor."""
-    _check(mask, hidden, lm_head_weight)
-    vocab = lm_head_weight.shape[0]
-    state = state or _state_for(mask, vocab)
-    num_tokens, d = hidden.shape
-    out = torch.empty(num_tokens, dtype=torch.int64, device=hidden.device)
-    if num_tokens == 0:
-        return out
-    state.ensure_capacity(num_tokens)
-    _, slot = _select_centroids(state, hidden, mask.centroids_weight, False, True)
-    k, c = state.top_k, state.num_centroids
-    tpc = vocab // c
-    block_t = min(DENSE_MAX_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))
-    block_r = min(DENSE_BLOCK_R, max(16, triton.next_power_of_2(tpc)))
-    part_val = torch.empty(num_tokens, k, dtype=torch.float32, device=hidden.device)
-    part_idx = torch.empty(num_tokens, k, dtype=torch.int32, device=hidden.device)
-    upcast = _interpreting() and hidden.dtype != torch.float32
-    precision = "ieee" if hidden.dtype == torch.float32 or upcast else "tf32"
-    _dense_argmax_kernel[(triton.cdiv(num_tokens, block_t), c)](
-        hidden,
-        lm_head_weight,
-        state.ordering,
-        slot,
-        state.suppressed,
-        part_val,
-        part_idx,
-        state.counters[_ROW_DENSE],
-        out,
-        num_tokens,
-        d,
-        k,
-        tpc,
-        hidden.stride(0),
-        lm_head_weight.stride(0),
-        BLOCK_T=block_t,
-        BLOCK_R=block_r,
-        BLOCK_D=min(DENSE_BLOCK_D, max(16, triton.next_power_of_2(d))),
-        BLOCK_K=triton.next_power_of_2(k),
-        V=vocab,
-        PRECISION=precision,
-        UPCAST=upcast,
-        num_warps=8 if block_t * block_r >= 8192 else 4,
-    )
-    return out
 
 
 def _dot_precision(hidden: torch.Tensor) -> tuple[str, bool]:
@@ -1184,7 +799,7 @@ def centroid_argmax_centroid_major(
     return out
 
 
-PATHS = ("auto", "persistent", "centroid", "gather", "dense")
+PATHS = ("auto", "persistent", "centroid")
 
 
 def centroid_argmax_fused(
@@ -1198,10 +813,10 @@ def centroid_argmax_fused(
 
     ``path``: "auto" (the persistent kernel below ``dense_min_tokens`` tokens, default
     ``DENSE_MIN_TOKENS``, when its grid fits the GPU; the centroid-major path otherwise),
-    "persistent", "centroid", or the older "gather" and "dense" paths. Without Triton, or on a
-    device the kernels cannot run on (CPU unless ``TRITON_INTERPRET=1``), falls back to the
-    torch sparse path ``centroid_argmax``. Capturable in a CUDA graph once a first call has
-    run for this mask and at least this many tokens."""
+    "persistent" or "centroid". Without Triton, or on a device the kernels cannot run on (CPU
+    unless ``TRITON_INTERPRET=1``), falls back to the torch sparse path ``centroid_argmax``.
+    Capturable in a CUDA graph once a first call has run for this mask and at least this many
+    tokens."""
     if path not in PATHS:
         raise ValueError(f"unknown path {path!r}")
     if not triton_usable(hidden.device):
@@ -1213,8 +828,4 @@ def centroid_argmax_fused(
         path = "persistent" if small else "centroid"
     if path == "persistent":
         return centroid_argmax_persistent(mask, hidden, lm_head_weight)
-    if path == "centroid":
-        return centroid_argmax_centroid_major(mask, hidden, lm_head_weight)
-    if path == "dense":
-        return centroid_argmax_dense(mask, hidden, lm_head_weight)
-    return centroid_argmax_gather(mask, hidden, lm_head_weight)
+    return centroid_argmax_centroid_major(mask, hidden, lm_head_weight)
