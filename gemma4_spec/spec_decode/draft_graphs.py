@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from copy import copy
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,7 +35,6 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 
-from gemma4_spec.compat import build_drafting_metadata
 from gemma4_spec.log import get_logger
 
 if TYPE_CHECKING:
@@ -172,18 +170,7 @@ class DraftLoopGraphs:
             slot_mapping=next(iter(slot_mapping.values())),
             positions=None if metadata.positions is None else p.positions[:size],
         )
-        return self._per_layer_metadata(padded, tables), slot_mapping
-
-    def _per_layer_metadata(
-        self, padded: CommonAttentionMetadata, tables: dict[int, torch.Tensor]
-    ) -> dict[str, object]:
-        per_layer: dict[str, object] = {}
-        for group in self._p.draft_attn_groups:
-            group_metadata = copy(padded)
-            group_metadata.block_table_tensor = tables[group.kv_cache_group_id]
-            built = build_drafting_metadata(group, group_metadata, 0)
-            per_layer.update(dict.fromkeys(group.layer_names, built))
-        return per_layer
+        return p.metadata_over_tables(padded, tables)[1], slot_mapping
 
     def _loop(
         self,

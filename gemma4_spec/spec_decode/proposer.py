@@ -225,13 +225,29 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         self, common_attn_metadata: CommonAttentionMetadata, draft_index: int = 0
     ) -> tuple[list[object], dict[str, object]]:
         batch_size = common_attn_metadata.batch_size()
+        # The runner's tables may be padded past the drafted batch.
+        tables = {
+            group.kv_cache_group_id: self.block_table_of(
+                group.kv_cache_group_id, common_attn_metadata
+            )[:batch_size]
+            for group in self.draft_attn_groups
+        }
+        return self.metadata_over_tables(common_attn_metadata, tables, draft_index)
+
+    def metadata_over_tables(
+        self,
+        common_attn_metadata: CommonAttentionMetadata,
+        tables: dict[int, torch.Tensor],
+        draft_index: int = 0,
+    ) -> tuple[list[object], dict[str, object]]:
+        """Each draft attention group's metadata (and the same per layer), built from
+        ``common_attn_metadata`` with the group's block table from ``tables`` (by KV cache
+        group id)."""
         per_group: list[object] = []
         per_layer: dict[str, object] = {}
         for group in self.draft_attn_groups:
             metadata = copy(common_attn_metadata)
-            # The runner's tables may be padded past the drafted batch.
-            table = self.block_table_of(group.kv_cache_group_id, common_attn_metadata)
-            metadata.block_table_tensor = table[:batch_size]
+            metadata.block_table_tensor = tables[group.kv_cache_group_id]
             built = build_drafting_metadata(group, metadata, draft_index)
             per_group.append(built)
             per_layer.update(dict.fromkeys(group.layer_names, built))
