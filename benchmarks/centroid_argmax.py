@@ -35,7 +35,7 @@ import torch
 
 from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax
 from gemma4_spec.ops.centroid_argmax_triton import (
-    DENSE_MIN_TOKENS,
+    CENTROID_MIN_TOKENS,
     _state_for,
     centroid_argmax_fp32_reference,
     centroid_argmax_fused,
@@ -150,14 +150,14 @@ def main() -> None:
 
     print(
         f"device={device} dtype={args.dtype} V={vocab} C={centroids} top_k={top_k} d={d} "
-        f"reps={reps} dense_min_tokens={DENSE_MIN_TOKENS}"
+        f"reps={reps} centroid_min_tokens={CENTROID_MIN_TOKENS}"
     )
     print(f"{'T':>4} {'variant':<15} {'median us':>10} {'MB':>8} {'GB/s':>8} {'ok':>4}")
     rows = []
     for t in (int(x) for x in args.tokens.split(",")):
         hidden = torch.randn(t, d, generator=gen).to(device, dtype)
         want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
-        small = fused and t < DENSE_MIN_TOKENS and persistent_fits(t, device, centroids)
+        small = fused and t < CENTROID_MIN_TOKENS and persistent_fits(t, device, centroids)
         persistent_bytes = (
             per_token_bytes(t) if fused and persistent_fits(t, device, centroids)
             else centroid_bytes(hidden)

@@ -282,6 +282,18 @@ def test_cpu_falls_back_to_torch_path() -> None:
     _assert_tokens(got, hidden, lm_head, mask)
 
 
+def test_threshold_env_variable_keeps_its_old_name() -> None:
+    """CENTROID_MIN_TOKENS (formerly DENSE_MIN_TOKENS) still reads the old env variable."""
+    code = "from gemma4_spec.ops import centroid_argmax_triton as m; print(m.CENTROID_MIN_TOKENS)"
+    env = dict(os.environ, GEMMA4_SPEC_DENSE_MIN_TOKENS="7")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["7"]
+
+
 # The interpreter checks run as two concurrent subprocesses, to keep CPU CI short.
 INTERPRETER_GROUPS = ("paths", "special")
 

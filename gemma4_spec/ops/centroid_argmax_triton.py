@@ -10,7 +10,7 @@ centroids with a larger score plus those with an equal score and a smaller index
 compared as order-preserving int32 keys). Every centroid's rank is independent of the others',
 so the work spreads over many programs, and a picked centroid writes itself to ``sel[t, rank]``.
 
-* **small T** (``path="persistent"``, ``T < DENSE_MIN_TOKENS``): one launch of
+* **small T** (``path="persistent"``, ``T < CENTROID_MIN_TOKENS``): one launch of
   ``_persistent_kernel``, grid ``(T, P)``, ``P`` a power of two up to ``PERSISTENT_PROGRAMS``
   with ``T * P`` at most the SM count, so that every program is resident at once. Three phases
   separated by per-token grid barriers (arrive with a releasing atomic, spin on an acquiring
@@ -37,11 +37,15 @@ so the work spreads over many programs, and a picked centroid writes itself to `
      whatever T). Per (token, rank, split) partial maxima; the program bringing a token's
      last partial reduces them.
 
-``path="auto"`` takes the persistent kernel below ``DENSE_MIN_TOKENS`` tokens (default 5,
-environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``dense_min_tokens`` argument)
-when its grid fits the GPU, and the centroid-major path otherwise. Two older paths (a radix
-top-k followed by a per-token gather-argmax or a per-token-block dense argmax) never beat these
-two on an H200 and were removed. Block sizes, programs per token and row splits are the module
+``path="auto"`` takes the persistent kernel below ``CENTROID_MIN_TOKENS`` tokens (default 3,
+environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``centroid_min_tokens``
+argument) when its grid fits the GPU, and the centroid-major path otherwise. H200, bf16, real
+E2B dims (V 262144, C 2048, top-k 32, d 256), CUDA graphs, cold L2, median us, persistent /
+centroid: T=1 18.0 / 30.8, T=2 24.9 / 31.7, T=4 38.1 / 32.9, T=8 57.6 / 35.3, T=16 77.8 / 42.6,
+T=64 372 / 79 (vLLM's in-tree formula 52 to 996, a full-vocab argmax 55 to 166). T=3 runs 32
+persistent programs per token like T=4, so it goes to the centroid path. Two older paths (a
+radix top-k followed by a per-token gather-argmax or a per-token-block dense argmax) never beat
+these two and were removed. Block sizes, programs per token and row splits are the module
 constants ``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and ``CENTROID_*``.
 
 Caveats: the persistent kernel's barriers assume all its programs are resident together; a
@@ -82,8 +86,9 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 # At or above this many tokens "auto" uses the centroid-major path, below it the persistent
 # kernel: that one reads top_k * V / C rows (2 MiB in bf16 at E2B dims) per token in one launch,
 # the centroid-major one each picked centroid's rows once for all tokens (the union of the
-# picks, at most the whole lm_head) in three. Tunable with GEMMA4_SPEC_DENSE_MIN_TOKENS.
-DENSE_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "5"))
+# picks, at most the whole lm_head) in three. 3 from the H200 timings in the module docstring.
+# Tunable with GEMMA4_SPEC_DENSE_MIN_TOKENS (its name from when the larger-T path was "dense").
+CENTROID_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "3"))
 
 
 def _interpreting() -> bool:
@@ -807,12 +812,12 @@ def centroid_argmax_fused(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     path: str = "auto",
-    dense_min_tokens: int | None = None,
+    centroid_min_tokens: int | None = None,
 ) -> torch.Tensor:
     """Greedy draft tokens ``[T]`` int64 through the fused kernels.
 
-    ``path``: "auto" (the persistent kernel below ``dense_min_tokens`` tokens, default
-    ``DENSE_MIN_TOKENS``, when its grid fits the GPU; the centroid-major path otherwise),
+    ``path``: "auto" (the persistent kernel below ``centroid_min_tokens`` tokens, default
+    ``CENTROID_MIN_TOKENS``, when its grid fits the GPU; the centroid-major path otherwise),
     "persistent" or "centroid". Without Triton, or on a device the kernels cannot run on (CPU
     unless ``TRITON_INTERPRET=1``), falls back to the torch sparse path ``centroid_argmax``.
     Capturable in a CUDA graph once a first call has run for this mask and at least this many
@@ -822,7 +827,7 @@ def centroid_argmax_fused(
     if not triton_usable(hidden.device):
         return centroid_argmax(hidden, lm_head_weight, mask)
     if path == "auto":
-        threshold = DENSE_MIN_TOKENS if dense_min_tokens is None else dense_min_tokens
+        threshold = CENTROID_MIN_TOKENS if centroid_min_tokens is None else centroid_min_tokens
         num_tokens, num_centroids = hidden.shape[0], mask.centroids_weight.shape[0]
         small = num_tokens < threshold and persistent_fits(num_tokens, hidden.device, num_centroids)
         path = "persistent" if small else "centroid"
