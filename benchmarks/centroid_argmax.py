@@ -15,12 +15,16 @@ Minimal bytes: persistent = centroid weights + T x (top_k x V/C lm_head rows + t
 ids); centroid (the centroid-major path) = centroid weights + the rows (and int32 ids) of the
 union of all tokens' picked centroids; full-vocab = the whole lm_head + centroid weights;
 in-tree and torch-sparse = their floor, the same as persistent (they also write and re-read the
-gathered rows, which the model does not count); ours-select (the centroid path's scores + rank
-top-k kernels alone) = the centroid weights.
+gathered rows, which the model does not count); ours-scores and ours-select = the centroid
+weights.
 
 Variants: ours-auto (the dispatcher), ours-persistent, ours-centroid (each path forced;
-persistent runs the centroid path where T exceeds the SM count), ours-select, torch-sparse,
-in-tree, full-vocab, graph-floor. ``--variants a,b`` times only those.
+persistent runs the centroid path where T exceeds the SM count); to see where their time goes:
+ours-3launch (the persistent kernel as three launches, one per phase, no grid barriers),
+ours-scores (the centroid path's first kernel alone), ours-select (its first two: scores and
+rank top-k; the third kernel is ours-centroid minus this); then torch-sparse, in-tree,
+full-vocab, graph-floor (a graph of one trivial kernel: the harness's own floor).
+``--variants a,b`` times only those.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from gemma4_spec.ops.centroid_argmax_triton import (
     _state_for,
     centroid_argmax_fp32_reference,
     centroid_argmax_fused,
+    centroid_argmax_persistent,
+    centroid_scores,
     persistent_fits,
     select_centroids_ranked,
     triton_usable,
@@ -154,6 +160,8 @@ def main() -> None:
     )
     print(f"{'T':>4} {'variant':<15} {'median us':>10} {'MB':>8} {'GB/s':>8} {'ok':>4}")
     rows = []
+    state = _state_for(mask, vocab) if fused else None
+    cw = mask.centroids_weight
     for t in (int(x) for x in args.tokens.split(",")):
         hidden = torch.randn(t, d, generator=gen).to(device, dtype)
         want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
@@ -192,17 +200,24 @@ def main() -> None:
         if cuda:  # what the harness measures for a graph of one trivial kernel
             tiny = torch.zeros(1, device=device)
             variants.append(("graph-floor", lambda x=tiny: x.add_(1), 0))
-        if fused:
-            variants.insert(
-                3,
-                (
-                    "ours-select",  # the centroid path's scores + rank top-k kernels alone
-                    lambda h=hidden: select_centroids_ranked(
-                        _state_for(mask, vocab), h, mask.centroids_weight
-                    )[0],
+        if fused:  # where the time of each path goes
+            variants[3:3] = [
+                (  # the persistent kernel as three launches, one per phase: no grid barriers
+                    "ours-3launch",
+                    lambda h=hidden: centroid_argmax_persistent(mask, h, lm_head, phased=True),
+                    persistent_bytes,
+                ),
+                (  # the centroid path's first kernel alone
+                    "ours-scores",
+                    lambda h=hidden: centroid_scores(state, h, cw)[0],
                     centroids * d * es,
                 ),
-            )
+                (  # its first two kernels: scores, then the rank top-k
+                    "ours-select",
+                    lambda h=hidden: select_centroids_ranked(state, h, cw)[0],
+                    centroids * d * es,
+                ),
+            ]
         if args.variants:
             wanted = set(args.variants.split(","))
             variants = [v for v in variants if v[0] in wanted]
@@ -212,7 +227,7 @@ def main() -> None:
             except Exception as exc:  # e.g. a variant that cannot be captured
                 print(f"{t:>4} {name:<15} failed: {type(exc).__name__}: {exc}"[:200])
                 continue
-            no_check = name in ("ours-select", "graph-floor")
+            no_check = name in ("ours-scores", "ours-select", "graph-floor")
             agree = float("nan") if no_check else (fn() == want).float().mean().item()
             gbps = nbytes / (us * 1e-6) / 1e9
             print(f"{t:>4} {name:<15} {us:>10.1f} {nbytes / 1e6:>8.1f} {gbps:>8.0f} {agree:>4.2f}")

@@ -670,11 +670,13 @@ def centroid_argmax_persistent(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     state: FusedCentroidState | None = None,
+    phased: bool = False,
 ) -> torch.Tensor:
     """Small-T path: one launch of ``_persistent_kernel``, ``P`` programs per token that
     compute the centroid scores, rank them and score the picked rows, separated by per-token
-    grid barriers (under the interpreter: three launches, one per phase, no barriers). With
-    more tokens than the GPU has SMs it runs the centroid-major path instead."""
+    grid barriers (under the interpreter, or with ``phased``: three launches, one per phase,
+    no barriers; the benchmark times both to see what the barriers cost). With more tokens
+    than the GPU has SMs it runs the centroid-major path instead."""
     _check(mask, hidden, lm_head_weight)
     vocab = lm_head_weight.shape[0]
     state = state or _state_for(mask, vocab)
@@ -716,29 +718,24 @@ def centroid_argmax_persistent(
         num_warps=8 if block_r * block_d >= 16384 else 4,  # more rows in flight per program
     )
     grid = (num_tokens, progs)
-    if _interpreting() and progs > 1:  # programs run one after another there: a barrier
-        for phase in (1, 2, 3):  # with more than one program per token would never open
+    if (phased or _interpreting()) and progs > 1:  # the interpreter runs programs in turn: a
+        for phase in (1, 2, 3):  # barrier with several programs per token would never open
             _persistent_kernel[grid](*args, PHASE=phase, **meta)
     else:
         _persistent_kernel[grid](*args, PHASE=0, **meta)
     return out
 
 
-def select_centroids_ranked(
+def centroid_scores(
     state: FusedCentroidState, hidden: torch.Tensor, centroids_weight: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Kernels 1 and 2 of the centroid-major path: fp32 scores by ``tl.dot`` over token
-    blocks, then each token's top-k by rank. Returns (sel [T, K] int32: the centroid of each
-    rank, count [C] int32: how many tokens picked each centroid, picks [C, T] int32: the first
-    ``count[c]`` entries of row c are ``t * K + rank`` of the tokens that picked c, in no
-    particular order)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel 1 of the centroid-major path: fp32 centroid scores ``[T, C]`` by ``tl.dot`` over
+    token blocks; also returns the per-centroid pick counts ``[C]`` int32 it zeroes."""
     num_tokens, d = hidden.shape
-    c, k = state.num_centroids, state.top_k
+    c = state.num_centroids
     dev = hidden.device
     scores = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
     count = torch.empty(c, dtype=torch.int32, device=dev)
-    picks = torch.empty(c, num_tokens, dtype=torch.int32, device=dev)
-    sel = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
     precision, upcast = _dot_precision(hidden)
     block_t = min(SCORES_MAX_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))
     block_c = SCORES_DOT_BLOCK_C if num_tokens > 64 else SCORES_DOT_BLOCK_C // 2
@@ -749,6 +746,23 @@ def select_centroids_ranked(
         BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_D=min(64, max(16, triton.next_power_of_2(d))),
         PRECISION=precision, UPCAST=upcast, num_warps=4,
     )  # fmt: skip
+    return scores, count
+
+
+def select_centroids_ranked(
+    state: FusedCentroidState, hidden: torch.Tensor, centroids_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernels 1 and 2 of the centroid-major path: fp32 scores (``centroid_scores``), then
+    each token's top-k by rank. Returns (sel [T, K] int32: the centroid of each rank, count [C]
+    int32: how many tokens picked each centroid, picks [C, T] int32: the first ``count[c]``
+    entries of row c are ``t * K + rank`` of the tokens that picked c, in no particular
+    order)."""
+    num_tokens = hidden.shape[0]
+    c, k = state.num_centroids, state.top_k
+    dev = hidden.device
+    scores, count = centroid_scores(state, hidden, centroids_weight)
+    picks = torch.empty(c, num_tokens, dtype=torch.int32, device=dev)
+    sel = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
     all_c = triton.next_power_of_2(c)
     cand_idx = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
     cand_key = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)

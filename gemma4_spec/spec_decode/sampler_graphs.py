@@ -1,10 +1,11 @@
-"""Greedy draft sampling replayed from CUDA graphs.
+"""Greedy draft sampling replayed from CUDA graphs (the step-by-step drafting path).
 
 vLLM's V1 drafter graphs cover the model's forward (piecewise); sampling runs after it, eagerly,
-as a handful of small kernels (centroid scores, top-k, the gather-argmax). At the batch sizes of
-decoding their launch cost is most of their time, so we capture the sampling of each batch size
-the runner captures and replay it: one launch per draft step. Sizes never captured (or no CUDA,
-or ``enforce_eager``) take the eager path, which computes the same tokens.
+as a few small kernels (centroid scores, top-k, the argmax over the picked rows). At the batch
+sizes of decoding their launch cost is most of their time, so we capture the sampling of each
+batch size the runner captures and replay it: one launch per draft step. Sizes never captured
+(or no CUDA, or ``enforce_eager``) take the eager path, which computes the same tokens. When
+the whole draft loop is replayed from one graph (``draft_graphs.py``), sampling is inside it.
 """
 
 from __future__ import annotations
