@@ -44,7 +44,6 @@ logger = get_logger(__name__)
 
 FULL_DRAFT_GRAPHS_ENV = "GEMMA4_SPEC_FULL_DRAFT_GRAPHS"
 NULL_BLOCK_ID = 0  # vLLM reserves block 0 for padding
-PADDING_SLOT_ID = -1  # vLLM's "write no K/V" slot
 
 
 class DraftLoopGraphs:
