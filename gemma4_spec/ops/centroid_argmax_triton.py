@@ -30,6 +30,11 @@ so the work spreads over many programs, and a picked centroid writes itself to `
      the ``top_k``-th score from below, so only the scores at or above it can be picked; those
      (a few percent, on real data) are compacted and ranked among themselves. Each pick is
      appended (atomic count) to its centroid's list ``picks[c]`` as ``t * top_k + rank``.
+     Alternative, ``_select_rank_wide_kernel``, grid ``(T, C / SELECT_WIDE_BLOCK)``: each
+     program ranks only its own block of centroids against all ``C`` scores (skipping blocks
+     below the bound), so a small T still fills the GPU; used below
+     ``SELECT_WIDE_MAX_TOKENS`` tokens (``GEMMA4_SPEC_WIDE_SELECT_MAX_TOKENS``), 0 until a GPU
+     run shows where it wins (the select kernel took ~21 us at every T up to 16 on the H200).
   3. ``_centroid_argmax_kernel``, grid ``(C, CENTROID_SPLIT)``: a program reads its part of
      one centroid's ``V / C`` lm_head rows (nothing if no token picked it) and ``tl.dot``s
      them with the hidden states of just the tokens in the centroid's list, 16 at a time, so
@@ -511,6 +516,49 @@ if HAS_TRITON:
             tl.store(pick_ptr + idx_i * T + at, t * K + rank, mask=chosen)
 
     @triton.jit
+    def _select_rank_wide_kernel(
+        scores_ptr,  # [T, C] fp32
+        sel_ptr,  # [T, K] int32 out: selected centroid of each rank
+        count_ptr,  # [C] int32, zero on entry: how many tokens picked each centroid
+        pick_ptr,  # [C, T] int32 out: the picks of each centroid, as t * K + rank
+        T,
+        C,
+        K,
+        BLOCK_ALL_C: tl.constexpr,
+        GROUPS: tl.constexpr,  # a power of two >= K
+        BLOCK_OWN: tl.constexpr,
+        CHUNK: tl.constexpr,
+    ):
+        """The same picks as ``_select_rank_kernel`` from ``C / BLOCK_OWN`` programs per
+        token: each ranks only its own block of centroids, against all ``C`` scores, after
+        skipping blocks with no score at or above the group-maxima bound (none of them can be
+        picked). For small T, where one program per token leaves most of the GPU idle."""
+        t = tl.program_id(0)
+        b = tl.program_id(1)
+        offs = tl.arange(0, BLOCK_ALL_C)
+        ok = offs < C
+        key = tl.where(
+            ok, _sortable_key(tl.load(scores_ptr + t * C + offs, mask=ok, other=0.0)), -(2**31)
+        )
+        bound = tl.min(tl.max(tl.reshape(key, [GROUPS, BLOCK_ALL_C // GROUPS]), axis=1), axis=0)
+        own = b * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
+        own_ok = own < C
+        own_key = tl.where(
+            own_ok,
+            _sortable_key(tl.load(scores_ptr + t * C + own, mask=own_ok, other=0.0)),
+            -(2**31),
+        )
+        maybe = own_ok & (own_key >= bound)
+        if tl.max(maybe.to(tl.int32), axis=0) > 0:
+            rank = _rank_block(
+                own_key, own, scores_ptr + t * C, scores_ptr, C, BLOCK_OWN, CHUNK, True, True
+            )
+            chosen = maybe & (rank < K)
+            tl.store(sel_ptr + t * K + rank, own, mask=chosen)
+            at = tl.atomic_add(count_ptr + own, 1, mask=chosen, sem="relaxed")
+            tl.store(pick_ptr + own * T + at, t * K + rank, mask=chosen)
+
+    @triton.jit
     def _centroid_argmax_kernel(
         h_ptr,  # [T, D]
         w_ptr,  # [V, D]
@@ -619,6 +667,11 @@ PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T g
 SCORES_MAX_BLOCK_T = 64
 SCORES_DOT_BLOCK_C = 64
 SELECT_BLOCK_I = 128
+# Below this many tokens, the centroid path's top-k runs C / SELECT_WIDE_BLOCK programs per
+# token (``_select_rank_wide_kernel``) instead of one. 0 (off) until measured on a GPU:
+# the benchmark times both (ours-select vs ours-select-w). GEMMA4_SPEC_WIDE_SELECT_MAX_TOKENS.
+SELECT_WIDE_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_WIDE_SELECT_MAX_TOKENS", "0"))
+SELECT_WIDE_BLOCK = 32
 CENTROID_SPLIT = 2
 CENTROID_BLOCK_T = 16
 CENTROID_BLOCK_R = 64
@@ -750,13 +803,17 @@ def centroid_scores(
 
 
 def select_centroids_ranked(
-    state: FusedCentroidState, hidden: torch.Tensor, centroids_weight: torch.Tensor
+    state: FusedCentroidState,
+    hidden: torch.Tensor,
+    centroids_weight: torch.Tensor,
+    wide: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernels 1 and 2 of the centroid-major path: fp32 scores (``centroid_scores``), then
-    each token's top-k by rank. Returns (sel [T, K] int32: the centroid of each rank, count [C]
-    int32: how many tokens picked each centroid, picks [C, T] int32: the first ``count[c]``
-    entries of row c are ``t * K + rank`` of the tokens that picked c, in no particular
-    order)."""
+    each token's top-k by rank: one program per token, or with ``wide`` (default: fewer than
+    ``SELECT_WIDE_MAX_TOKENS`` tokens) ``C / SELECT_WIDE_BLOCK`` programs per token. Returns
+    (sel [T, K] int32: the centroid of each rank, count [C] int32: how many tokens picked each
+    centroid, picks [C, T] int32: the first ``count[c]`` entries of row c are ``t * K + rank``
+    of the tokens that picked c, in no particular order)."""
     num_tokens = hidden.shape[0]
     c, k = state.num_centroids, state.top_k
     dev = hidden.device
@@ -764,11 +821,22 @@ def select_centroids_ranked(
     picks = torch.empty(c, num_tokens, dtype=torch.int32, device=dev)
     sel = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
     all_c = triton.next_power_of_2(c)
+    groups = triton.next_power_of_2(k)
+    if wide is None:
+        wide = num_tokens < SELECT_WIDE_MAX_TOKENS
+    if wide:
+        block_own = min(SELECT_WIDE_BLOCK, all_c)
+        _select_rank_wide_kernel[(num_tokens, triton.cdiv(c, block_own))](
+            scores, sel, count, picks, num_tokens, c, k,
+            BLOCK_ALL_C=all_c, GROUPS=groups, BLOCK_OWN=block_own,
+            CHUNK=max(16, min(all_c, 8192 // block_own)), num_warps=4,
+        )  # fmt: skip
+        return sel, count, picks
     cand_idx = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
     cand_key = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
     _select_rank_kernel[(num_tokens,)](
         scores, cand_idx, cand_key, sel, count, picks, num_tokens, c, k,
-        BLOCK_ALL_C=all_c, GROUPS=triton.next_power_of_2(k),
+        BLOCK_ALL_C=all_c, GROUPS=groups,
         BLOCK_I=min(SELECT_BLOCK_I, all_c), num_warps=8 if all_c >= 2048 else 4,
     )  # fmt: skip
     return sel, count, picks
@@ -779,8 +847,10 @@ def centroid_argmax_centroid_major(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     state: FusedCentroidState | None = None,
+    wide_select: bool | None = None,
 ) -> torch.Tensor:
-    """Larger-T path: scores (``tl.dot``), rank top-k, then one program per (centroid, row
+    """Larger-T path: scores (``tl.dot``), rank top-k (``wide_select``: see
+    ``select_centroids_ranked``), then one program per (centroid, row
     split) that reads its rows once, only if some token picked the centroid, and scores them
     for just those tokens; per (token, pick, split) partials reduced by the last contributor.
     The lm_head traffic is the union of all tokens' picks, at most the whole lm_head once."""
@@ -792,7 +862,9 @@ def centroid_argmax_centroid_major(
     if num_tokens == 0:
         return out
     state.ensure_capacity(num_tokens)
-    _, count, picks = select_centroids_ranked(state, hidden, mask.centroids_weight)
+    _, count, picks = select_centroids_ranked(
+        state, hidden, mask.centroids_weight, wide=wide_select
+    )
     k, c = state.top_k, state.num_centroids
     tpc = vocab // c
     split = max(1, min(CENTROID_SPLIT, tpc // 16))
