@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU measurements of benchmarks/results/h200, as steps for the lent GPU machine (run them
+# there through the device tool, from the repository root; outputs go to $OUT). Prepared here
+# first (CPU machine, once):
+#   echo /.devexp/ >> .git/info/exclude
+#   TRIM=1 ../shared/device/prepare.sh $PWD/.devexp          # vLLM 0.26.0 in two parts
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux_2_17_x86_64 -d .devexp/tf \
+#       transformers==5.14.1 tokenizers==0.22.2 huggingface-hub==1.33.0  # what vLLM 0.26 reads
+#   pip wheel --no-deps --no-build-isolation -w .devexp/ours .  # for the plugin entry point
+# Then, on the device, one call each, back to back (the machine forgets /tmp when it goes cold):
+#   1. kernels  (carry .devexp/parts/vllm-trim.tar.xz.part00): kernel tests + benchmark, no
+#               vLLM needed; also stages part00 for step 2
+#   2. vllm     (carry part01, .devexp/wheels, .devexp/tf, .devexp/ours): installs vLLM, then
+#               runs the GPU engine test
+#   3. e2e      (no carry): the end-to-end benchmark (about 5 minutes)
+#   4. profile  (no carry, optional): torch.profiler of ours and of plain V1, k=2, batch 1
+# Only committed code should be on the tree that travels: a half-written kernel breaks step 2.
+set -uo pipefail
+step=${1:?usage: benchmarks/h200_session.sh kernels|vllm|e2e|profile}
+: "${OUT:?OUT must be set (the device tool sets it)}"
+export VLLM_USE_FLASHINFER_SAMPLER=0
+case "$step" in
+kernels)
+    mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part00 /tmp/stage/
+    export PYTHONPATH=$PWD
+    timeout 150 python3 benchmarks/centroid_argmax.py --tokens 1,2,3,4,8,16,32,64,256 \
+        --reps 200 --json "$OUT/centroid_argmax.json" 2>&1 | tee "$OUT/centroid_argmax.log"
+    timeout 200 python3 -m pytest -q tests/test_centroid_argmax_cuda.py \
+        > "$OUT/test_centroid_argmax_cuda.log" 2>&1
+    echo "kernel tests rc=$?"; tail -3 "$OUT/test_centroid_argmax_cuda.log"
+    ;;
+vllm)
+    mkdir -p /tmp/site /tmp/tf
+    cat /tmp/stage/vllm-trim.tar.xz.part00 .devexp/parts/vllm-trim.tar.xz.part01 \
+        | tar -xJ -C /tmp/site || exit 3
+    pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        .devexp/wheels/*.whl .devexp/ours/*.whl 2>&1 | grep -v "as the 'root' user"
+    pip install -q --no-index --no-deps --no-compile --target /tmp/tf .devexp/tf/*.whl \
+        2>&1 | grep -v "as the 'root' user"
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    timeout 420 python3 -m pytest -q -x tests/test_gpu_engine.py > "$OUT/test_gpu_engine.log" 2>&1
+    echo "engine test rc=$?"; tail -3 "$OUT/test_gpu_engine.log"
+    ;;
+e2e)
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    timeout 570 python3 benchmarks/e2e_decode.py --workdir /tmp/e2b --batch 1,8,32 --k 2,4 \
+        --start-timeout 400 --json "$OUT/e2e_decode.json" > "$OUT/e2e.log" 2>&1
+    echo "e2e rc=$?"; grep -v "Capturing\|it/s" "$OUT/e2e.log" | tail -12
+    ;;
+profile)
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    for k in 2 0; do  # cache-3 / cache-1: the compile caches e2e_decode left for these engines
+        cache=$([ "$k" = 2 ] && echo 3 || echo 1)
+        [ "$k" = 0 ] && export VLLM_USE_V2_MODEL_RUNNER=0
+        VLLM_CACHE_ROOT=/tmp/e2b/cache-$cache timeout 250 python3 benchmarks/profile_decode.py \
+            --workdir /tmp/e2b --k "$k" --batch 1 > "$OUT/profile_k$k.log" 2>&1
+        echo "profile k=$k rc=$?"; grep "decode step" "$OUT/profile_k$k.log"
+    done
+    ;;
+*) echo "unknown step $step"; exit 2 ;;
+esac
