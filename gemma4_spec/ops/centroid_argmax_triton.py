@@ -294,6 +294,34 @@ if HAS_TRITON:
         return rank
 
     @triton.jit
+    def _rows_dot(
+        acc,  # [M, N] fp32
+        a_rows,  # [M] pointers to the first element of each A row
+        a_ok,  # [M] rows to read (others count as zeros)
+        b_rows,  # [N] pointers to the first element of each B row
+        b_ok,  # [N]
+        D,
+        BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """``acc + A @ B^T`` over the hidden dimension ``D``, by ``tl.dot`` tiles."""
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = offs_d < D
+            a = tl.load(
+                a_rows[:, None] + offs_d[None, :], mask=a_ok[:, None] & d_ok[None, :], other=0.0
+            )
+            b = tl.load(
+                b_rows[:, None] + offs_d[None, :], mask=b_ok[:, None] & d_ok[None, :], other=0.0
+            )
+            if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        return acc
+
+    @triton.jit
     def _grid_barrier(counter_ptr, expected):
         """Every program of a token arrives (release) then waits (acquire) for all of them.
         Only valid when all of them are resident at once (the launcher sizes the grid so)."""
@@ -441,24 +469,11 @@ if HAS_TRITON:
         offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         t_ok = offs_t < T
         c_ok = offs_c < C
-        acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = offs_d < D
-            a = tl.load(
-                h_ptr + offs_t[:, None] * stride_h + offs_d[None, :],
-                mask=t_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            b = tl.load(
-                cw_ptr + offs_c[:, None] * stride_cw + offs_d[None, :],
-                mask=c_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        acc = _rows_dot(
+            tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32),
+            h_ptr + offs_t * stride_h, t_ok, cw_ptr + offs_c * stride_cw, c_ok,
+            D, BLOCK_D, PRECISION, UPCAST,
+        )  # fmt: skip
         tl.store(
             scores_ptr + offs_t[:, None] * C + offs_c[None, :],
             acc,
@@ -466,6 +481,27 @@ if HAS_TRITON:
         )
         if tb == 0:
             tl.store(count_ptr + offs_c, tl.zeros([BLOCK_C], tl.int32), mask=c_ok)
+
+    @triton.jit
+    def _score_keys(row_ptr, offs, ok):
+        """Order-preserving int32 keys of the fp32 scores at ``row_ptr + offs``; the lowest
+        key where not ``ok``."""
+        scores = tl.load(row_ptr + offs, mask=ok, other=0.0)
+        return tl.where(ok, _sortable_key(scores), -(2**31))
+
+    @triton.jit
+    def _pick_bound(key, BLOCK_ALL_C: tl.constexpr, GROUPS: tl.constexpr):
+        """The smallest of GROUPS (>= top_k) group maxima: at most the top_k-th largest key,
+        so no key below it can be picked."""
+        return tl.min(tl.max(tl.reshape(key, [GROUPS, BLOCK_ALL_C // GROUPS]), axis=1), axis=0)
+
+    @triton.jit
+    def _append_picks(t, rank, idx, chosen, sel_ptr, count_ptr, pick_ptr, T, K):
+        """Token t picked centroids ``idx`` (where ``chosen``) at ``rank``: into sel[t, rank]
+        and, as ``t * K + rank``, onto each centroid's list of picks."""
+        tl.store(sel_ptr + t * K + rank, idx, mask=chosen)
+        at = tl.atomic_add(count_ptr + idx, 1, mask=chosen, sem="relaxed")
+        tl.store(pick_ptr + idx * T + at, t * K + rank, mask=chosen)
 
     @triton.jit
     def _select_rank_kernel(
@@ -489,12 +525,8 @@ if HAS_TRITON:
         t = tl.program_id(0)
         offs = tl.arange(0, BLOCK_ALL_C)
         ok = offs < C
-        key = tl.where(
-            ok, _sortable_key(tl.load(scores_ptr + t * C + offs, mask=ok, other=0.0)), -(2**31)
-        )
-        group_max = tl.max(tl.reshape(key, [GROUPS, BLOCK_ALL_C // GROUPS]), axis=1)
-        bound = tl.min(group_max, axis=0)
-        cand = ok & (key >= bound)
+        key = _score_keys(scores_ptr + t * C, offs, ok)
+        cand = ok & (key >= _pick_bound(key, BLOCK_ALL_C, GROUPS))
         pos = tl.cumsum(cand.to(tl.int32), axis=0) - 1
         n = tl.sum(cand.to(tl.int32), axis=0)
         base = t * BLOCK_ALL_C
@@ -511,9 +543,7 @@ if HAS_TRITON:
                 BLOCK_I, BLOCK_I, False, False,
             )  # fmt: skip
             chosen = i_ok & (rank < K)
-            tl.store(sel_ptr + t * K + rank, idx_i, mask=chosen)
-            at = tl.atomic_add(count_ptr + idx_i, 1, mask=chosen, sem="relaxed")
-            tl.store(pick_ptr + idx_i * T + at, t * K + rank, mask=chosen)
+            _append_picks(t, rank, idx_i, chosen, sel_ptr, count_ptr, pick_ptr, T, K)
 
     @triton.jit
     def _select_rank_wide_kernel(
@@ -536,27 +566,17 @@ if HAS_TRITON:
         t = tl.program_id(0)
         b = tl.program_id(1)
         offs = tl.arange(0, BLOCK_ALL_C)
-        ok = offs < C
-        key = tl.where(
-            ok, _sortable_key(tl.load(scores_ptr + t * C + offs, mask=ok, other=0.0)), -(2**31)
-        )
-        bound = tl.min(tl.max(tl.reshape(key, [GROUPS, BLOCK_ALL_C // GROUPS]), axis=1), axis=0)
+        bound = _pick_bound(_score_keys(scores_ptr + t * C, offs, offs < C), BLOCK_ALL_C, GROUPS)
         own = b * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
         own_ok = own < C
-        own_key = tl.where(
-            own_ok,
-            _sortable_key(tl.load(scores_ptr + t * C + own, mask=own_ok, other=0.0)),
-            -(2**31),
-        )
+        own_key = _score_keys(scores_ptr + t * C, own, own_ok)
         maybe = own_ok & (own_key >= bound)
         if tl.max(maybe.to(tl.int32), axis=0) > 0:
             rank = _rank_block(
                 own_key, own, scores_ptr + t * C, scores_ptr, C, BLOCK_OWN, CHUNK, True, True
             )
             chosen = maybe & (rank < K)
-            tl.store(sel_ptr + t * K + rank, own, mask=chosen)
-            at = tl.atomic_add(count_ptr + own, 1, mask=chosen, sem="relaxed")
-            tl.store(pick_ptr + own * T + at, t * K + rank, mask=chosen)
+            _append_picks(t, rank, own, chosen, sel_ptr, count_ptr, pick_ptr, T, K)
 
     @triton.jit
     def _centroid_argmax_kernel(
@@ -604,24 +624,11 @@ if HAS_TRITON:
                 offs_r = s * ROWS + local
                 r_ok = (local < ROWS) & (offs_r < TPC)
                 ids = tl.load(ordering_ptr + c * TPC + offs_r, mask=r_ok, other=0)
-                acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
-                for d0 in range(0, D, BLOCK_D):
-                    offs_d = d0 + tl.arange(0, BLOCK_D)
-                    d_ok = offs_d < D
-                    a = tl.load(
-                        h_ptr + tok[:, None] * stride_h + offs_d[None, :],
-                        mask=b_ok[:, None] & d_ok[None, :],
-                        other=0.0,
-                    )
-                    b = tl.load(
-                        w_ptr + ids[:, None].to(tl.int64) * stride_w + offs_d[None, :],
-                        mask=r_ok[:, None] & d_ok[None, :],
-                        other=0.0,
-                    )
-                    if UPCAST:
-                        a = a.to(tl.float32)
-                        b = b.to(tl.float32)
-                    acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+                acc = _rows_dot(
+                    tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32),
+                    h_ptr + tok * stride_h, b_ok, w_ptr + ids.to(tl.int64) * stride_w, r_ok,
+                    D, BLOCK_D, PRECISION, UPCAST,
+                )  # fmt: skip
                 sup = tl.load(sup_ptr + ids, mask=r_ok, other=1)
                 ok = b_ok[:, None] & (r_ok & (sup == 0))[None, :]
                 vals = tl.where(ok, acc, float("-inf"))
