@@ -85,3 +85,82 @@ def test_padding_replaces_the_batch_and_drops_other_per_request_fields() -> None
     # Required fields not replaced stay as they were; the original is untouched.
     assert padded.block_table_tensor is metadata.block_table_tensor
     assert metadata.num_reqs == batch and metadata.is_prefilling is not None
+
+
+class _FakeProposer(SimpleNamespace):
+    """What ``DraftLoopGraphs._static_inputs`` reads of the proposer, on CPU tensors."""
+
+    def __init__(self, tables: dict[int, torch.Tensor], capacity: int = 16) -> None:
+        config = SimpleNamespace(
+            parallel_config=SimpleNamespace(data_parallel_size=1),
+            model_config=SimpleNamespace(enforce_eager=False, max_model_len=512),
+            compilation_config=SimpleNamespace(max_cudagraph_capture_size=capacity),
+        )
+        super().__init__(
+            device=torch.device("cpu"),
+            vllm_config=config,
+            draft_attn_groups=[SimpleNamespace(kv_cache_group_id=g) for g in (0, 1, 1)],
+            arange=torch.arange(capacity + 1, dtype=torch.int32),
+            token_arange_np=np.arange(capacity + 1, dtype=np.int32),
+            positions=torch.arange(capacity),
+            tables=tables,
+            slot_buffer=torch.zeros(capacity, dtype=torch.int64),
+            built=[],
+        )
+
+    def block_table_of(self, gid: int, metadata: CommonAttentionMetadata) -> torch.Tensor:
+        return self.tables.get(gid, metadata.block_table_tensor)
+
+    def _get_slot_mapping(self, num_tokens: int, slot_mapping: torch.Tensor) -> dict:
+        self.slot_buffer[: slot_mapping.shape[0]].copy_(slot_mapping)
+        self.slot_buffer[slot_mapping.shape[0] : num_tokens].fill_(-1)
+        return {"layer": self.slot_buffer[:num_tokens]}
+
+    def metadata_over_tables(self, metadata: CommonAttentionMetadata, tables: dict) -> tuple:
+        self.built.append((metadata, tables))
+        return [], {"layer": metadata}
+
+
+def test_static_inputs_pad_the_batch_into_fixed_buffers() -> None:
+    batch, size = 3, 8
+    runner_tables = {1: torch.arange(40, dtype=torch.int32).view(5, 8) + 100}
+    proposer = _FakeProposer(runner_tables)
+    graphs = DraftLoopGraphs(proposer)  # type: ignore[arg-type]
+    metadata = _metadata(batch)
+    metadata.block_table_tensor = torch.arange(5 * 4, dtype=torch.int32).view(5, 4) + 1
+
+    first = graphs._static_inputs(metadata, batch, size)
+    assert first is not None
+    per_layer, slots = first
+    padded, tables = proposer.built[-1]
+    # The batch, then padding rows: one key each, on the null block, writing no K/V.
+    assert padded.seq_lens.tolist() == [9, 9, 9, 1, 1, 1, 1, 1]
+    assert padded.num_reqs == size and padded.num_actual_tokens == size
+    assert padded.query_start_loc.tolist() == list(range(size + 1))
+    assert padded.max_seq_len == 512
+    assert slots["layer"].tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+    assert sorted(tables) == [0, 1]  # one table per KV cache group, however many layer groups
+    assert tables[0][:batch].tolist() == metadata.block_table_tensor[:batch].tolist()
+    assert tables[1][:batch].tolist() == runner_tables[1][:batch].tolist()
+    assert not tables[0][batch:].any() and not tables[1][batch:].any()
+    assert per_layer["layer"] is padded
+
+    # A smaller batch in the same size reuses the same memory and re-pads its rows.
+    second = graphs._static_inputs(_metadata(2), 2, size)
+    assert second is not None
+    again, tables_again = proposer.built[-1]
+    assert again.seq_lens.data_ptr() == padded.seq_lens.data_ptr()
+    assert again.seq_lens.tolist() == [9, 9, 1, 1, 1, 1, 1, 1]
+    assert all(tables_again[g].data_ptr() == tables[g].data_ptr() for g in tables)
+    assert not tables_again[1][2:].any()
+
+
+def test_static_inputs_refuse_what_the_buffers_cannot_hold() -> None:
+    proposer = _FakeProposer({}, capacity=4)
+    graphs = DraftLoopGraphs(proposer)  # type: ignore[arg-type]
+    assert graphs._static_inputs(_metadata(3), 3, 8) is None  # past the largest capture size
+    assert graphs._static_inputs(_metadata(3), 3, 4) is not None
+    wider = _metadata(3)
+    wider.block_table_tensor = torch.zeros(3, 6, dtype=torch.int32)
+    assert graphs._static_inputs(wider, 3, 4) is None  # table width changed: graphs off
+    assert graphs.disabled is not None and "width" in graphs.disabled
