@@ -14,6 +14,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from gemma4_spec.spec_decode.draft_graphs import (
     FULL_DRAFT_GRAPHS_ENV,
     DraftLoopGraphs,
+    _moved_tensors,
     _pad_common_metadata,
 )
 
@@ -164,3 +165,17 @@ def test_static_inputs_refuse_what_the_buffers_cannot_hold() -> None:
     wider.block_table_tensor = torch.zeros(3, 6, dtype=torch.int32)
     assert graphs._static_inputs(wider, 3, 4) is None  # table width changed: graphs off
     assert graphs.disabled is not None and "width" in graphs.disabled
+
+
+def test_metadata_built_in_fresh_memory_is_caught() -> None:
+    # A graph captured over one build reads the memory of that build; a builder that puts a
+    # tensor in new memory every time would leave the graph reading stale values.
+    seq_lens, table = torch.ones(4, dtype=torch.int32), torch.zeros(4, 2, dtype=torch.int32)
+    stable = SimpleNamespace(seq_lens=seq_lens, block_table=table, max_seq_len=9)
+    same = SimpleNamespace(seq_lens=seq_lens, block_table=table, max_seq_len=9)
+    fresh = SimpleNamespace(seq_lens=seq_lens.clone(), block_table=table, max_seq_len=9)
+    assert _moved_tensors({"a": stable, "b": stable}, {"a": same, "b": same}, "cpu") == ""
+    moved = _moved_tensors({"a": stable}, {"a": fresh}, "cpu")
+    assert moved == "SimpleNamespace.seq_lens"
+    # Only tensors on the drafting device matter (CPU mirrors are not read by the graph).
+    assert _moved_tensors({"a": stable}, {"a": fresh}, "cuda") == ""

@@ -207,7 +207,7 @@ class DraftLoopGraphs:
         rebuilt = self._static_inputs(metadata, batch_size, size)
         if rebuilt is None:
             return drafted
-        moved = _moved_tensors(per_layer, rebuilt[0])
+        moved = _moved_tensors(per_layer, rebuilt[0], p.device.type)
         if moved:
             self._disable(f"attention metadata built in fresh memory each step ({moved})")
             return drafted
@@ -242,20 +242,23 @@ def _pad_common_metadata(
     return dataclasses.replace(metadata, **replacements)
 
 
-def _tensor_addresses(metadata: object) -> dict[str, int]:
+def _tensor_addresses(metadata: object, device_type: str) -> dict[str, int]:
     fields = vars(metadata) if hasattr(metadata, "__dict__") else {}
     return {
         name: value.data_ptr()
         for name, value in fields.items()
-        if isinstance(value, torch.Tensor) and value.is_cuda and value.numel() > 0
+        if isinstance(value, torch.Tensor)
+        and value.device.type == device_type
+        and value.numel() > 0
     }
 
 
-def _moved_tensors(first: dict[str, object], second: dict[str, object]) -> str:
+def _moved_tensors(first: dict[str, object], second: dict[str, object], device_type: str) -> str:
     """Names of metadata tensors whose memory differs between two builds over the same
     buffers ('' if none): a graph captured over the first would read stale memory."""
     for layer, built in first.items():
-        a, b = _tensor_addresses(built), _tensor_addresses(second[layer])
+        a = _tensor_addresses(built, device_type)
+        b = _tensor_addresses(second[layer], device_type)
         moved = sorted(name for name in a if b.get(name) != a[name])
         if moved:
             return f"{type(built).__name__}.{', '.join(moved)}"
