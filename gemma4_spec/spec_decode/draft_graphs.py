@@ -221,8 +221,15 @@ class DraftLoopGraphs:
         except Exception as exc:  # keep serving: the step-by-step path computes the same
             self._disable(f"capture of {size} x {k} failed: {type(exc).__name__}: {exc}")
             return drafted
+        first = not self._graphs
         self._graphs[(size, k)] = (graph, tokens)
-        logger.debug("gemma4_spec: captured the draft loop for %d requests x %d steps", size, k)
+        # Once at INFO (vLLM logs its own captures there), every further size at DEBUG.
+        (logger.info if first else logger.debug)(
+            "gemma4_spec: captured the whole greedy draft loop in a CUDA graph for %d requests "
+            "x %d steps (each batch size is captured the first time it is drafted)",
+            size,
+            k,
+        )
         return drafted
 
 
