@@ -30,7 +30,7 @@ def _proposer(device: str = "cpu", dp: int = 1, eager: bool = False) -> SimpleNa
 def test_off_without_cuda() -> None:
     graphs = DraftLoopGraphs(_proposer("cpu"))  # type: ignore[arg-type]
     assert graphs.disabled == "no CUDA"
-    assert graphs.draft(4, 2, None) is None  # type: ignore[arg-type]
+    assert graphs.draft(4, 4, 2, None) is None  # type: ignore[arg-type]
     assert graphs.captured == []
 
 

@@ -90,16 +90,13 @@ class DraftLoopGraphs:
         logger.warning("gemma4_spec: full-graph drafting off (%s); drafting step by step.", reason)
 
     def draft(
-        self, batch_size: int, k: int, metadata: CommonAttentionMetadata
+        self, batch_size: int, size: int, k: int, metadata: CommonAttentionMetadata
     ) -> torch.Tensor | None:
-        """Draft tokens ``[batch_size, k]`` from a graph (capturing it on first use), or None
-        when this batch must take the step-by-step path. The proposer has already written the
-        first step's token ids, positions and hidden states into its input buffers."""
+        """Draft tokens ``[batch_size, k]`` from the graph of ``size`` rows (the padded batch
+        size the runner has drafter graphs for; capturing it on first use), or None when this
+        batch must take the step-by-step path. The proposer has already written the first
+        step's token ids, positions and hidden states into its input buffers."""
         if self.disabled is not None:
-            return None
-        p = self._p
-        mode, size, across_dp = p._determine_batch_execution_and_padding(batch_size)
-        if mode == CUDAGraphMode.NONE or across_dp is not None:
             return None
         if not self._backends_checked:  # first use: the attention backends are known by now
             self._backends_checked = True

@@ -121,18 +121,22 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         metadata = self._one_query_per_request(
             common_attn_metadata, token_indices_to_sample, num_rejected_tokens_gpu
         )
+        mode, num_input_tokens, tokens_across_dp = self._determine_batch_execution_and_padding(
+            batch_size
+        )
         greedy = not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy
-        if greedy:
-            if self.loop_graphs is None:
-                self.loop_graphs = DraftLoopGraphs(self)
-            drafted = self.loop_graphs.draft(batch_size, num_speculative_tokens, metadata)
+        if greedy and self.loop_graphs is None:
+            self.loop_graphs = DraftLoopGraphs(self)
+        # A whole-loop graph only where the runner has drafter graphs for this size.
+        if greedy and mode != CUDAGraphMode.NONE and tokens_across_dp is None:
+            assert self.loop_graphs is not None
+            drafted = self.loop_graphs.draft(
+                batch_size, num_input_tokens, num_speculative_tokens, metadata
+            )
             if drafted is not None:
                 return drafted
 
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(metadata)
-        mode, num_input_tokens, tokens_across_dp = self._determine_batch_execution_and_padding(
-            batch_size
-        )
 
         draft_tokens: list[torch.Tensor] = []
         draft_probs: list[torch.Tensor] = []
