@@ -39,6 +39,19 @@ ENGINE = dict(
 )
 
 
+def engine_kwargs(workdir: str, spec_tokens: int) -> dict[str, Any]:
+    """``LLM(...)`` arguments for the pair in ``workdir``: plain decoding for 0 speculative
+    tokens, gemma4_mtp with that many otherwise."""
+    kwargs: dict[str, Any] = dict(ENGINE, model=str(Path(workdir) / "target"))
+    if spec_tokens:
+        kwargs["speculative_config"] = {
+            "method": "gemma4_mtp",
+            "model": str(Path(workdir) / "assistant"),
+            "num_speculative_tokens": spec_tokens,
+        }
+    return kwargs
+
+
 def configurations(ks: list[int]) -> dict[str, dict[str, Any]]:
     """name -> environment and speculative config of one engine."""
     configs: dict[str, dict[str, Any]] = {
@@ -62,14 +75,7 @@ def _worker(args: argparse.Namespace) -> None:
     from gemma4_spec.metrics import Acceptance, spec_metrics
 
     control = Path(args.control)
-    kwargs: dict[str, Any] = dict(ENGINE, model=str(Path(args.workdir) / "target"))
-    if args.spec_tokens:
-        kwargs["speculative_config"] = {
-            "method": "gemma4_mtp",
-            "model": str(Path(args.workdir) / "assistant"),
-            "num_speculative_tokens": args.spec_tokens,
-        }
-    llm = LLM(**kwargs)
+    llm = LLM(**engine_kwargs(args.workdir, args.spec_tokens))
     rng = random.Random(0)
     batches = [int(b) for b in args.batch.split(",")]
     prompts = {

@@ -30,21 +30,14 @@ def main() -> None:
     if args.in_tree:
         os.environ["VLLM_PLUGINS"] = "none"
     import torch
-    from e2e_decode import ENGINE
+    from e2e_decode import NEW_TOKENS, PROMPT_LEN, engine_kwargs
     from vllm import LLM, SamplingParams
 
     from gemma4_spec.testing.e2b_shaped import build_e2b_shaped_pair
 
     build_e2b_shaped_pair(args.workdir)
-    kwargs = dict(ENGINE, model=str(Path(args.workdir) / "target"))
-    if args.k:
-        kwargs["speculative_config"] = {
-            "method": "gemma4_mtp",
-            "model": str(Path(args.workdir) / "assistant"),
-            "num_speculative_tokens": args.k,
-        }
-    llm = LLM(**kwargs)
-    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 200_000 + 10 for j in range(128)]}
+    llm = LLM(**engine_kwargs(args.workdir, args.k))
+    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 200_000 + 10 for j in range(PROMPT_LEN)]}
                for i in range(args.batch)]  # fmt: skip
 
     def run(tokens: int) -> float:
@@ -54,7 +47,7 @@ def main() -> None:
         return time.perf_counter() - start
 
     run(8)
-    step = (run(1 + 128) - run(1)) / 128 * 1e3
+    step = (run(1 + NEW_TOKENS) - run(1)) / NEW_TOKENS * 1e3
     print(f"decode step {step:.3f} ms (k={args.k}, B={args.batch})", flush=True)
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:
