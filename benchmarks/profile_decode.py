@@ -12,6 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -21,12 +22,13 @@ def main() -> None:
     parser.add_argument("--workdir", default="/tmp/e2b-shaped")
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--in-tree", action="store_true", help="vLLM's own gemma4_mtp (V2)")
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=45)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # the runner's scopes
     if args.in_tree:
         os.environ["VLLM_PLUGINS"] = "none"
     import torch
@@ -49,16 +51,71 @@ def main() -> None:
     run(8)
     step = (run(1 + NEW_TOKENS) - run(1)) / NEW_TOKENS * 1e3
     print(f"decode step {step:.3f} ms (k={args.k}, B={args.batch})", flush=True)
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        run(1 + args.tokens)
+
+    def profiled(tokens: int) -> Any:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            run(tokens)
+        return prof
+
+    # Per decode step: a run of 1 + N tokens minus a run of 1 (the prefill), divided by N.
+    base = _totals(profiled(1).key_averages())
+    prof = profiled(1 + args.tokens)
     table = prof.key_averages()
+    per_step = {
+        name: tuple(
+            (a - b) / args.tokens for a, b in zip(row, base.get(name, (0,) * 5), strict=True)
+        )
+        for name, row in _totals(table).items()
+    }
+    _print_step_summary(per_step)
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
     print(
         table.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70)
     )
     if args.trace:
         prof.export_chrome_trace(args.trace)
+
+
+def _totals(table: Any) -> dict[str, tuple[float, float, float, float, float]]:
+    """name -> (calls, CPU total us, self CPU us, self device us, 1 if a device event (a
+    kernel, copy or memset on the GPU) else 0), from key_averages()."""
+    return {
+        row.key: (
+            float(row.count),
+            float(row.cpu_time_total),
+            float(row.self_cpu_time_total),
+            float(getattr(row, "self_device_time_total", 0.0)),
+            float(str(getattr(row, "device_type", "")).endswith("CUDA")),
+        )
+        for row in table
+    }
+
+
+SCOPES = ("gpu_model_runner:", "gemma4_spec:")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernelEx", "cuLaunchKernel", "cudaGraphLaunch",
+            "cudaMemcpyAsync", "cudaMemsetAsync")  # fmt: skip
+SYNCS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
+def _print_step_summary(per_step: dict[str, tuple[float, ...]]) -> None:
+    """Per decode step: the runner's and our scopes (CPU time inside each), GPU busy time, and
+    the launches and host syncs the CPU made."""
+    print("\nper decode step (profiled; the profiler slows the CPU side):")
+    for name in sorted(per_step):
+        calls, cpu_total = per_step[name][:2]
+        if name.startswith(SCOPES) and calls > 0:
+            print(f"  {name:45s} {cpu_total:9.1f} us CPU   ({calls:.2f} calls)")
+    busy = sum(row[3] for row in per_step.values() if row[4] > 0)
+    kernels = sum(row[0] for row in per_step.values() if row[4] > 0)
+    print(f"  GPU busy (device events)                    {busy:9.1f} us ({kernels:.1f} events)")
+    for names, what in ((LAUNCHES, "launches"), (SYNCS, "host syncs")):
+        for name in names:
+            if name in per_step and per_step[name][0] > 0:
+                calls, _, self_cpu = per_step[name][:3]
+                print(f"  {what:10s} {name:32s} {calls:7.2f} calls {self_cpu:8.1f} us CPU")
+    cpu = sum(row[2] for row in per_step.values())
+    print(f"  CPU busy (sum of self CPU time)             {cpu:9.1f} us\n", flush=True)
 
 
 if __name__ == "__main__":

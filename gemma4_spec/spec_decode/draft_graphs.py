@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
+from vllm.v1.utils import record_function_or_nullcontext as scope
 
 from gemma4_spec.log import get_logger
 
@@ -104,15 +105,17 @@ class DraftLoopGraphs:
             if reason is not None:
                 self._disable(reason)
                 return None
-        static = self._static_inputs(metadata, batch_size, size)
+        with scope("gemma4_spec: draft graph inputs"):
+            static = self._static_inputs(metadata, batch_size, size)
         if static is None:
             return None
         per_layer, slot_mapping = static
         hit = self._graphs.get((size, k))
         if hit is not None:
             graph, tokens = hit
-            graph.replay()
-            return tokens[:batch_size].clone()
+            with scope("gemma4_spec: draft graph replay"):
+                graph.replay()
+                return tokens[:batch_size].clone()
         return self._capture(size, k, batch_size, metadata, per_layer, slot_mapping)
 
     # ----------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, UniformTypeKVCacheSpecs
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+from vllm.v1.utils import record_function_or_nullcontext as scope
 from vllm.v1.worker.utils import AttentionGroup
 
 from gemma4_spec.compat import build_drafting_metadata
@@ -115,15 +116,17 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         if target_positions.dim() == 2:  # M-RoPE target: text positions are all rows alike
             target_positions = target_positions[0]
 
-        self.input_ids[:batch_size] = next_token_ids
-        self.positions[:batch_size] = target_positions[token_indices_to_sample]
-        self.hidden_states[:batch_size] = target_hidden_states[token_indices_to_sample]
-        metadata = self._one_query_per_request(
-            common_attn_metadata, token_indices_to_sample, num_rejected_tokens_gpu
-        )
-        mode, num_input_tokens, tokens_across_dp = self._determine_batch_execution_and_padding(
-            batch_size
-        )
+        # Scopes show in torch.profiler with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 (no-ops otherwise).
+        with scope("gemma4_spec: draft inputs"):
+            self.input_ids[:batch_size] = next_token_ids
+            self.positions[:batch_size] = target_positions[token_indices_to_sample]
+            self.hidden_states[:batch_size] = target_hidden_states[token_indices_to_sample]
+            metadata = self._one_query_per_request(
+                common_attn_metadata, token_indices_to_sample, num_rejected_tokens_gpu
+            )
+            mode, num_input_tokens, tokens_across_dp = self._determine_batch_execution_and_padding(
+                batch_size
+            )
         greedy = not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy
         if greedy and self.loop_graphs is None:
             self.loop_graphs = DraftLoopGraphs(self)
