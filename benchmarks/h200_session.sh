@@ -14,12 +14,16 @@
 #   2. vllm     (carry part01, .devexp/wheels, .devexp/tf, .devexp/ours): installs vLLM, then
 #               runs the GPU engine test
 #   3. e2e      (no carry): the end-to-end benchmark (about 5 minutes)
-#   4. profile  (no carry, optional): torch.profiler of ours and of plain V1, k=2, batch 1
+#   4. profile  (no carry, optional): torch.profiler of ours (k=2) and of plain V1, batch 1
 # Only committed code should be on the tree that travels: a half-written kernel breaks step 2.
 set -uo pipefail
 step=${1:?usage: benchmarks/h200_session.sh kernels|vllm|e2e|profile}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
+# Optional: committed copies of files to run instead of the tree's (e.g. while the kernels are
+# being edited here), carried as .devexp/pinned/<path relative to the repo root>.
+if [ -d .devexp/pinned ]; then (cd .devexp/pinned && find . -type f) | while read -r f; do
+    cp ".devexp/pinned/$f" "$f" && echo "pinned $f"; done; fi
 case "$step" in
 kernels)
     mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part00 /tmp/stage/
@@ -48,14 +52,20 @@ e2e)
         --start-timeout 400 --json "$OUT/e2e_decode.json" > "$OUT/e2e.log" 2>&1
     echo "e2e rc=$?"; grep -v "Capturing\|it/s" "$OUT/e2e.log" | tail -12
     ;;
-profile)
+profile)  # ours k=2 and plain V1 at batch 1 (and in-tree k=2 on V2 with PROFILE_IN_TREE=1)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
-    for k in 2 0; do  # cache-3 / cache-1: the compile caches e2e_decode left for these engines
-        cache=$([ "$k" = 2 ] && echo 3 || echo 1)
-        [ "$k" = 0 ] && export VLLM_USE_V2_MODEL_RUNNER=0
-        VLLM_CACHE_ROOT=/tmp/e2b/cache-$cache timeout 250 python3 benchmarks/profile_decode.py \
-            --workdir /tmp/e2b --k "$k" --batch 1 > "$OUT/profile_k$k.log" 2>&1
-        echo "profile k=$k rc=$?"; grep "decode step" "$OUT/profile_k$k.log"
+    runs="ours-k2 plain-v1"; [ "${PROFILE_IN_TREE:-0}" = 1 ] && runs="$runs in-tree-k2"
+    for run in $runs; do
+        case $run in
+        ours-k2) args="--k 2"; cache=3; v1=1 ;;
+        plain-v1) args="--k 0"; cache=1; v1=0 ;;
+        in-tree-k2) args="--k 2 --in-tree"; cache=2; v1=1 ;;
+        esac  # cache-N: the compile cache e2e_decode leaves for that engine, if it ran before
+        env $([ $v1 = 0 ] && echo VLLM_USE_V2_MODEL_RUNNER=0) VLLM_CACHE_ROOT=/tmp/e2b/cache-$cache \
+            timeout 280 python3 benchmarks/profile_decode.py --workdir /tmp/e2b $args --batch 1 \
+            > "$OUT/profile_$run.log" 2>&1
+        echo "profile $run rc=$?"; sed -n '/^decode step/p;/^per decode step/,/CPU busy/p' \
+            "$OUT/profile_$run.log"
     done
     ;;
 *) echo "unknown step $step"; exit 2 ;;
