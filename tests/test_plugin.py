@@ -23,7 +23,13 @@ from packaging.version import Version
 import gemma4_spec.compat as compat
 from gemma4_spec import plugin
 from gemma4_spec.compat import SUPPORTED_VLLM, UnsupportedVLLMVersionError, check_vllm_version
-from gemma4_spec.patch import hooks, patch_engine_args, patch_gpu_model_runner, patch_vllm_config
+from gemma4_spec.patch import (
+    hooks,
+    patch_engine_args,
+    patch_gpu_model_runner,
+    patch_triton_attn,
+    patch_vllm_config,
+)
 from gemma4_spec.testing.engine_run import PLUGIN_PROPOSER
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -91,11 +97,13 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_engine_args.ARG_UTILS_MODULE,
         patch_gpu_model_runner.RUNNER_MODULE,
         patch_vllm_config.CONFIG_MODULE,
+        patch_triton_attn.TRITON_ATTN_MODULE,
     ]
     assert [cb for _, cb in fresh_plugin["when_imported"]] == [
         patch_engine_args.apply,
         patch_gpu_model_runner.apply,
         patch_vllm_config.apply,
+        patch_triton_attn.apply,
     ]
     entry = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
     assert f"{entry.module_name}:{entry.class_name}" == plugin.MODEL_CLASS

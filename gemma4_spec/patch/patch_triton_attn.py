@@ -1,0 +1,144 @@
+"""Verification attention on vLLM's Triton backend through its decode kernel.
+
+Wraps: ``vllm.v1.attention.backends.triton_attn.TritonAttentionMetadataBuilder.build``. The
+original builds the metadata; when the batch is a gemma4_mtp verification step (at most
+``1 + k`` query tokens per request, some request with more than one), its query tokens are
+rewritten as one-token sequences (``ops/flat_queries.py``) into buffers of fixed address, and
+``max_query_len`` becomes 1. The Triton backend then runs its decode ("3D") kernel, which splits
+every sequence's keys over several programs, instead of the one-program-per-KV-head kernel it
+uses for ``q_len > 1``: on the E2B-shaped H200 benchmark, 16 -> 7.5 us per target layer at
+batch 1, k = 2 (35 layers per step; ``benchmarks/results/h200``).
+
+Why it is the same attention: with causal masking, the query token at position ``p`` sees keys
+``0..p``; as its own sequence of length ``p + 1`` on the same block table it sees the same
+keys, and vLLM has already written the step's K/V to the cache before attention runs.
+
+Only where the rewrite is the same at CUDA-graph capture and at replay: the decision depends
+on the number of tokens (the graph's key) and ``max_query_len``; full graphs for mixed batches
+(``cudagraph_mode`` FULL) would be captured with one ``max_query_len`` and replayed with
+another, so that mode turns it off. Also off for: CPU, other speculative methods, more tokens
+than the decode kernel takes (``seq_threshold_3D``), cascade attention, multimodal prefix
+ranges, rolling sliding windows, decode context parallelism, micro-batching, KV-sharing fast
+prefill (its metadata derives logits indices from the query layout), vLLM versions
+other than ``compat.FLAT_VERIFY_VLLM``, and with ``GEMMA4_SPEC_FLAT_VERIFY=0``.
+vLLM versions: 0.26 (the class and the fields rewritten exist in 0.26 - 0.33).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+from typing import Any
+
+from gemma4_spec.compat import flat_verify_supported
+from gemma4_spec.log import get_logger
+
+TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
+FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
+GEMMA4_MTP = "gemma4_mtp"
+
+logger = get_logger(__name__)
+_logged = False
+
+
+def apply(module: ModuleType) -> None:
+    builder_cls = getattr(module, "TritonAttentionMetadataBuilder", None)
+    if builder_cls is None or getattr(builder_cls.build, "_gemma4_spec_flat", False):
+        return
+    original = builder_cls.build
+
+    @functools.wraps(original)
+    def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        metadata = original(self, *args, **kwargs)
+        flat = _flat_verify_of(self)
+        if flat is None:
+            return metadata
+        common = kwargs["common_attn_metadata"] if "common_attn_metadata" in kwargs else args[1]
+        return flat.rewrite(common, metadata)
+
+    build._gemma4_spec_flat = True  # type: ignore[attr-defined]
+    builder_cls.build = build
+
+
+class FlatVerify:
+    """One builder's rewrite of verification batches, with its own fixed-address buffers."""
+
+    def __init__(self, max_query_len: int, capacity: int) -> None:
+        self.max_query_len = max_query_len
+        self.capacity = capacity
+        self._buffers: Any = None
+
+    def applies(self, common: Any, metadata: Any) -> bool:
+        return (
+            1 < common.max_query_len <= self.max_query_len
+            and common.num_actual_tokens <= self.capacity
+            and not metadata.use_cascade
+            and metadata.causal is True
+            and getattr(metadata, "mm_prefix_range_tensor", None) is None
+            and getattr(metadata, "rswa_prefix_lens", None) is None
+        )
+
+    def rewrite(self, common: Any, metadata: Any) -> Any:
+        if not self.applies(common, metadata):
+            return metadata
+        from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries
+
+        table = metadata.block_table
+        if self._buffers is None:  # the runner's block tables keep one width
+            self._buffers = FlatQueryBuffers(self.capacity, table.shape[1], table.device)
+        _log_once()
+        starts, lens, rows = flatten_queries(
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            table,
+            common.num_actual_tokens,
+            self._buffers,
+        )
+        metadata.query_start_loc = starts
+        metadata.seq_lens = lens
+        metadata.block_table = rows
+        metadata.max_query_len = 1
+        return metadata
+
+
+def _flat_verify_of(builder: Any) -> FlatVerify | None:
+    """The builder's ``FlatVerify``, or None where the rewrite is off (decided once)."""
+    if "_gemma4_spec_flat" not in builder.__dict__:
+        builder._gemma4_spec_flat = _make_flat_verify(builder)
+    return builder._gemma4_spec_flat
+
+
+def _make_flat_verify(builder: Any) -> FlatVerify | None:
+    from vllm.config import CUDAGraphMode
+
+    config = builder.vllm_config
+    spec = config.speculative_config
+    parallel = config.parallel_config
+    if (
+        os.environ.get(FLAT_VERIFY_ENV, "1") == "0"
+        or builder.device.type != "cuda"
+        or spec is None
+        or spec.method != GEMMA4_MTP
+        or not flat_verify_supported()
+        or config.compilation_config.cudagraph_mode.mixed_mode() == CUDAGraphMode.FULL
+        or getattr(parallel, "decode_context_parallel_size", 1) > 1
+        or getattr(parallel, "enable_dbo", False)
+        or getattr(config.cache_config, "kv_sharing_fast_prefill", False)
+        or getattr(builder, "rswa_window", None) is not None
+        or getattr(builder, "softmax_segm_output", None) is None
+        or not getattr(builder, "seq_threshold_3D", 0)
+    ):
+        return None
+    return FlatVerify(1 + spec.num_speculative_tokens, builder.seq_threshold_3D)
+
+
+def _log_once() -> None:
+    global _logged
+    if not _logged:
+        _logged = True
+        logger.info(
+            "gemma4_spec: verification attention runs each query token as its own sequence "
+            "(Triton decode kernel); %s=0 turns this off.",
+            FLAT_VERIFY_ENV,
+        )

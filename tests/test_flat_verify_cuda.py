@@ -1,0 +1,76 @@
+"""On CUDA with vLLM: the verification step's attention through vLLM's Triton kernel is the same
+whether the query tokens come as requests of ``1 + k`` tokens (vLLM's "2D" kernel) or, rewritten
+by ``ops/flat_queries.py``, as one-token sequences (its decode "3D" kernel). Skips elsewhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+unified = pytest.importorskip("vllm.v1.attention.ops.triton_unified_attention")
+
+THRESHOLD_3D = 128
+SEGMENTS = 16
+
+
+def _attention(q, key_cache, value_cache, starts, max_q, seq_lens, table, window):
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = key_cache.shape[2]
+    padded = triton_next_pow2(head_dim)
+    out = torch.full_like(q, float("nan"))
+    scale = torch.ones(1, device=q.device).expand(seq_lens.shape[0], kv_heads)
+    unified.unified_attention(
+        q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=starts, max_seqlen_q=max_q,
+        seqused_k=seq_lens, max_seqlen_k=int(seq_lens.max()), softmax_scale=head_dim**-0.5,
+        causal=True, window_size=(window - 1, 0) if window else (-1, -1), block_table=table,
+        softcap=0, q_descale=None, k_descale=scale, v_descale=scale,
+        seq_threshold_3D=THRESHOLD_3D, num_par_softmax_segments=SEGMENTS,
+        softmax_segm_output=torch.empty(
+            THRESHOLD_3D, heads, SEGMENTS, padded, dtype=torch.float32, device=q.device
+        ),
+        softmax_segm_max=torch.empty(THRESHOLD_3D, heads, SEGMENTS, device=q.device),
+        softmax_segm_expsum=torch.empty(THRESHOLD_3D, heads, SEGMENTS, device=q.device),
+    )  # fmt: skip
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("head_dim", "block_size", "window"), [(256, 16, 0), (256, 16, 64), (512, 64, 0)]
+)
+@pytest.mark.parametrize("batch", [1, 8, 32])
+def test_flat_queries_give_the_same_attention(batch, head_dim, block_size, window, dtype):
+    torch.manual_seed(batch * 7 + head_dim)
+    device = torch.device("cuda")
+    q_len, heads, kv_heads, pad_reqs = 3, 8, 1, 1
+    seq_lens = torch.randint(q_len, 300, (batch,), device=device)
+    blocks_per_req = (300 + block_size - 1) // block_size
+    num_blocks = batch * blocks_per_req + 1
+    table = torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_req] + 1
+    table = table.view(batch, blocks_per_req)
+    # Padded request: no query tokens, length 0, null-block row; padding tokens after.
+    seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(pad_reqs)]).int()
+    table = torch.cat([table, table.new_zeros(pad_reqs, blocks_per_req)]).int()
+    starts = torch.arange(batch + 1, device=device) * q_len
+    starts = torch.cat([starts, starts[-1:].repeat(pad_reqs)]).int()
+    num_tokens = batch * q_len + 2
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device).to(dtype)
+    value_cache = torch.randn_like(key_cache)
+    q = torch.randn(num_tokens, heads, head_dim, device=device).to(dtype)
+
+    want = _attention(q, key_cache, value_cache, starts, q_len, seq_lens, table, window)
+    buffers = FlatQueryBuffers(THRESHOLD_3D, blocks_per_req, device)
+    flat = flatten_queries(starts, seq_lens, table, num_tokens, buffers)
+    got = _attention(q, key_cache, value_cache, flat[0], 1, flat[1], flat[2], window)
+
+    real = batch * q_len
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[:real].float(), want[:real].float(), atol=tol, rtol=tol)

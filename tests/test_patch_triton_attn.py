@@ -1,0 +1,178 @@
+"""``patch/patch_triton_attn.py``: which builds are rewritten, and what the rewrite produces
+(CPU tensors; the kernel's own tests and the GPU engine test cover CUDA)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm.config import CUDAGraphMode
+
+from gemma4_spec.ops.flat_queries import flatten_queries_reference
+from gemma4_spec.patch import patch_triton_attn
+from gemma4_spec.patch.patch_triton_attn import FLAT_VERIFY_ENV, FlatVerify
+
+
+@dataclass
+class FakeMetadata:  # the fields of TritonAttentionMetadata the rewrite reads or writes
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    max_query_len: int
+    use_cascade: bool = False
+    causal: Any = True
+    mm_prefix_range_tensor: Any = None
+    rswa_prefix_lens: Any = None
+    built: int = field(default=0)
+
+
+def _common(max_query_len: int, num_tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(max_query_len=max_query_len, num_actual_tokens=num_tokens)
+
+
+def _verification_batch() -> FakeMetadata:
+    # Two requests of 3 query tokens (k = 2), then one padded request.
+    return FakeMetadata(
+        query_start_loc=torch.tensor([0, 3, 6, 6], dtype=torch.int32),
+        seq_lens=torch.tensor([10, 7, 0], dtype=torch.int32),
+        block_table=torch.arange(12, dtype=torch.int32).view(3, 4),
+        max_query_len=3,
+    )
+
+
+def test_rewrite_gives_one_token_sequences() -> None:
+    flat = FlatVerify(max_query_len=3, capacity=16)
+    metadata = _verification_batch()
+    want = flatten_queries_reference(
+        metadata.query_start_loc, metadata.seq_lens, metadata.block_table, 9
+    )
+    out = flat.rewrite(_common(3, 9), metadata)
+    assert out.max_query_len == 1
+    assert out.query_start_loc.tolist() == want[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 6, 6, 6]
+    assert out.seq_lens.tolist() == [8, 9, 10, 5, 6, 7, 0, 0, 0]
+    assert torch.equal(out.block_table[:6], want[2][:6])
+
+
+def test_rewrite_reuses_the_same_buffers() -> None:
+    flat = FlatVerify(max_query_len=3, capacity=16)
+    first = flat.rewrite(_common(3, 9), _verification_batch())
+    second = flat.rewrite(_common(3, 9), _verification_batch())
+    for name in ("query_start_loc", "seq_lens", "block_table"):
+        assert getattr(first, name).data_ptr() == getattr(second, name).data_ptr(), name
+
+
+@pytest.mark.parametrize(
+    ("change", "common"),
+    [
+        ({}, _common(1, 9)),  # decode: nothing to do
+        ({}, _common(4, 9)),  # more query tokens than a verification step has
+        ({}, _common(3, 17)),  # more tokens than the decode kernel takes
+        ({"use_cascade": True}, _common(3, 9)),
+        ({"causal": torch.ones(3, dtype=torch.bool)}, _common(3, 9)),
+        ({"mm_prefix_range_tensor": torch.zeros(3, 1, 2)}, _common(3, 9)),
+        ({"rswa_prefix_lens": torch.zeros(3)}, _common(3, 9)),
+    ],
+)
+def test_other_batches_are_left_alone(change: dict, common: SimpleNamespace) -> None:
+    metadata = _verification_batch()
+    for name, value in change.items():
+        setattr(metadata, name, value)
+    before = (metadata.query_start_loc, metadata.seq_lens, metadata.block_table)
+    out = FlatVerify(max_query_len=3, capacity=16).rewrite(common, metadata)
+    assert (out.query_start_loc, out.seq_lens, out.block_table) == before
+    assert out.max_query_len == metadata.max_query_len
+
+
+def _builder(**overrides: Any) -> SimpleNamespace:
+    spec = SimpleNamespace(method="gemma4_mtp", num_speculative_tokens=2)
+    config = SimpleNamespace(
+        speculative_config=spec,
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, enable_dbo=False),
+        cache_config=SimpleNamespace(kv_sharing_fast_prefill=False),
+        compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE),
+    )
+    builder = SimpleNamespace(
+        vllm_config=config,
+        device=torch.device("cuda"),
+        rswa_window=None,
+        softmax_segm_output=torch.empty(0),
+        seq_threshold_3D=128,
+    )
+    for name, value in overrides.items():
+        target = builder
+        *path, last = name.split(".")
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, last, value)
+    return builder
+
+
+@pytest.fixture
+def vllm_026(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(patch_triton_attn, "flat_verify_supported", lambda: True)
+    monkeypatch.delenv(FLAT_VERIFY_ENV, raising=False)
+
+
+def test_enabled_for_gemma4_mtp_on_cuda(vllm_026: None) -> None:
+    flat = patch_triton_attn._make_flat_verify(_builder())
+    assert flat is not None and flat.max_query_len == 3 and flat.capacity == 128
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"device": torch.device("cpu")},
+        {"vllm_config.speculative_config": None},
+        {"vllm_config.speculative_config.method": "eagle"},
+        {"vllm_config.compilation_config.cudagraph_mode": CUDAGraphMode.FULL},
+        {"vllm_config.parallel_config.decode_context_parallel_size": 2},
+        {"vllm_config.parallel_config.enable_dbo": True},
+        {"vllm_config.cache_config.kv_sharing_fast_prefill": True},
+        {"rswa_window": 512},
+        {"softmax_segm_output": None},
+    ],
+)
+def test_disabled_where_capture_and_replay_could_differ(vllm_026: None, override: dict) -> None:
+    assert patch_triton_attn._make_flat_verify(_builder(**override)) is None
+
+
+def test_disabled_by_environment(vllm_026: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FLAT_VERIFY_ENV, "0")
+    assert patch_triton_attn._make_flat_verify(_builder()) is None
+
+
+def test_disabled_on_untested_vllm_versions() -> None:
+    from packaging.version import Version
+
+    from gemma4_spec.compat import flat_verify_supported
+
+    assert flat_verify_supported(Version("0.26.0"))
+    assert not flat_verify_supported(Version("0.32.0"))
+
+
+def test_apply_wraps_build_once_and_rewrites_verification_batches(vllm_026: None) -> None:
+    class Builder:
+        def __init__(self) -> None:
+            vars(self).update(vars(_builder(device=torch.device("cpu"))))
+
+        def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build=False):
+            return _verification_batch()
+
+    module = ModuleType("fake_triton_attn")
+    module.TritonAttentionMetadataBuilder = Builder  # type: ignore[attr-defined]
+    patch_triton_attn.apply(module)
+    wrapped = Builder.build
+    patch_triton_attn.apply(module)
+    assert Builder.build is wrapped
+
+    builder = Builder()
+    # CPU builders are left alone...
+    assert builder.build(0, _common(3, 9)).max_query_len == 3
+    # ...a CUDA one (here with CPU tensors) is rewritten, called either way.
+    builder = Builder()
+    builder.device = torch.device("cuda")
+    assert builder.build(0, _common(3, 9)).max_query_len == 1
+    assert builder.build(common_prefix_len=0, common_attn_metadata=_common(3, 9)).max_query_len == 1
