@@ -1,0 +1,115 @@
+"""Attention of one target layer in a verification step, through vLLM's Triton kernel: as vLLM
+runs it (requests of ``1 + k`` query tokens: its "2D" kernel) vs rewritten as one-token
+sequences (``ops/flat_queries.py`` + its decode "3D" kernel, the flatten kernel included), with
+a plain decode step (one query token per request) for scale. Needs CUDA and vLLM.
+
+E2B-like layer: 8 query heads, 1 KV head, head size 256 (sliding window 512) or 512 (full
+attention), block size 16, bf16. Each variant in a CUDA graph, cold L2 (``centroid_argmax``'s
+harness), median of ``--reps`` replays, in us.
+
+    python benchmarks/verify_attention.py --batch 1,8,32 --context 256,2048 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from centroid_argmax import _time_cuda  # noqa: E402
+
+from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries  # noqa: E402
+
+THRESHOLD_3D = 128  # what vLLM's Triton builder picks for one KV head
+SEGMENTS = 16
+HEADS, KV_HEADS, BLOCK = 8, 1, 16
+LAYERS = {"sliding-256": (256, 512), "full-512": (512, 0)}
+
+
+def _measure(
+    attention, head_dim: int, window: int, context: int, batch: int, q_len: int, reps: int,
+    flush: torch.Tensor,
+) -> dict[str, float]:  # fmt: skip
+    """us of the three variants for one layer shape."""
+    device = flush.device
+    blocks = (context + q_len + BLOCK - 1) // BLOCK
+    cache = torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, head_dim, device=device).bfloat16()
+    table = (torch.arange(batch * blocks, device=device) + 1).view(batch, blocks).int()
+    segm = dict(
+        seq_threshold_3D=THRESHOLD_3D,
+        num_par_softmax_segments=SEGMENTS,
+        softmax_segm_output=torch.empty(THRESHOLD_3D, HEADS, SEGMENTS, head_dim, device=device),
+        softmax_segm_max=torch.empty(THRESHOLD_3D, HEADS, SEGMENTS, device=device),
+        softmax_segm_expsum=torch.empty(THRESHOLD_3D, HEADS, SEGMENTS, device=device),
+    )
+    scale = torch.ones(1, device=device).expand(THRESHOLD_3D, KV_HEADS)
+
+    def attend(q, starts, max_q, seq_lens, block_table):  # type: ignore[no-untyped-def]
+        out = torch.empty_like(q)
+        attention(
+            q=q, k=cache, v=cache, out=out, cu_seqlens_q=starts, max_seqlen_q=max_q,
+            seqused_k=seq_lens, max_seqlen_k=context + q_len, softmax_scale=head_dim**-0.5,
+            causal=True, window_size=(window - 1, 0) if window else (-1, -1),
+            block_table=block_table, softcap=0, q_descale=None,
+            k_descale=scale[: seq_lens.shape[0]], v_descale=scale[: seq_lens.shape[0]], **segm,
+        )  # fmt: skip
+        return out
+
+    verify_q = torch.randn(batch * q_len, HEADS, head_dim, device=device).bfloat16()
+    starts = (torch.arange(batch + 1, device=device) * q_len).int()
+    seq_lens = torch.full((batch,), context + q_len, device=device).int()
+    buffers = FlatQueryBuffers(THRESHOLD_3D, blocks, device)
+
+    def flat():  # type: ignore[no-untyped-def]
+        s, n, t = flatten_queries(starts, seq_lens, table, batch * q_len, buffers)
+        return attend(verify_q, s, 1, n, t)
+
+    decode_starts = torch.arange(batch + 1, device=device).int()
+    return {
+        "vllm_2d": _time_cuda(
+            lambda: attend(verify_q, starts, q_len, seq_lens, table), reps, flush
+        ),
+        "flat_3d": _time_cuda(flat, reps, flush),
+        "decode": _time_cuda(
+            lambda: attend(verify_q[:batch], decode_starts, 1, seq_lens, table), reps, flush
+        ),
+    }
+
+
+def main() -> None:
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", default="1,8,32")
+    parser.add_argument("--context", default="256,2048")
+    parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    rows = []
+    print(f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'flat 3D':>8s} {'decode':>8s}")
+    for name, (head_dim, window) in LAYERS.items():
+        for context in (int(c) for c in args.context.split(",")):
+            for batch in (int(b) for b in args.batch.split(",")):
+                times = _measure(
+                    unified_attention, head_dim, window, context, batch, 1 + args.k, args.reps,
+                    flush,
+                )  # fmt: skip
+                print(
+                    f"{name:12s} {batch:3d} {context:5d} {times['vllm_2d']:8.1f} "
+                    f"{times['flat_3d']:8.1f} {times['decode']:8.1f}",
+                    flush=True,
+                )
+                rows.append(dict(layer=name, batch=batch, context=context, k=args.k, **times))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
