@@ -16,6 +16,7 @@ from gemma4_spec.spec_decode.draft_graphs import (
     DraftLoopGraphs,
     _moved_tensors,
     _pad_common_metadata,
+    loop_graph_size,
 )
 
 
@@ -179,3 +180,14 @@ def test_metadata_built_in_fresh_memory_is_caught() -> None:
     assert moved == "SimpleNamespace.seq_lens"
     # Only tensors on the drafting device matter (CPU mirrors are not read by the graph).
     assert _moved_tensors({"a": stable}, {"a": fresh}, "cuda") == ""
+
+
+@pytest.mark.parametrize(
+    ("batch", "runner", "size"),
+    [(1, 3, 1), (2, 3, 2), (3, 3, 3), (3, 6, 4), (5, 6, 6), (8, 9, 8), (9, 9, 9), (9, 12, 12),
+     (9, 18, 16), (32, 33, 32), (33, 36, 36), (33, 48, 40)],
+)  # fmt: skip
+def test_loop_graph_sizes(batch: int, runner: int, size: int) -> None:
+    # The runner's drafter sizes are multiples of 1 + k; ours are powers of two to 8, then
+    # multiples of 8, and never more than the runner's.
+    assert loop_graph_size(batch, runner) == size

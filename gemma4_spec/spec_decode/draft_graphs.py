@@ -47,6 +47,19 @@ FULL_DRAFT_GRAPHS_ENV = "GEMMA4_SPEC_FULL_DRAFT_GRAPHS"
 NULL_BLOCK_ID = 0  # vLLM reserves block 0 for padding
 
 
+def loop_graph_size(batch_size: int, runner_size: int) -> int:
+    """Rows of the draft-loop graph that drafts ``batch_size`` requests. The runner pads drafter
+    batches to its capture sizes, which speculative decoding rounds up to multiples of 1 + k (at
+    k = 2 one request drafts 3 rows, and the draft sampling takes its many-token path); these
+    graphs are ours to size: powers of two up to 8, then multiples of 8, never more rows than
+    the runner's size."""
+    if batch_size <= 8:
+        size = 1 << max(0, batch_size - 1).bit_length()
+    else:
+        size = -(-batch_size // 8) * 8
+    return min(size, runner_size)
+
+
 class DraftLoopGraphs:
     """Captured draft loops of one proposer, keyed by (padded batch size, k)."""
 

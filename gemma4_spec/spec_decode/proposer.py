@@ -43,7 +43,7 @@ from vllm.v1.worker.utils import AttentionGroup
 
 from gemma4_spec.compat import build_drafting_metadata
 from gemma4_spec.log import get_logger
-from gemma4_spec.spec_decode.draft_graphs import DraftLoopGraphs
+from gemma4_spec.spec_decode.draft_graphs import DraftLoopGraphs, loop_graph_size
 from gemma4_spec.spec_decode.kv_scales import share_kv_scales
 from gemma4_spec.spec_decode.sampler_graphs import GraphedGreedySampler
 
@@ -133,9 +133,8 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         # A whole-loop graph only where the runner has drafter graphs for this size.
         if greedy and mode != CUDAGraphMode.NONE and tokens_across_dp is None:
             assert self.loop_graphs is not None
-            drafted = self.loop_graphs.draft(
-                batch_size, num_input_tokens, num_speculative_tokens, metadata
-            )
+            size = loop_graph_size(batch_size, num_input_tokens)
+            drafted = self.loop_graphs.draft(batch_size, size, num_speculative_tokens, metadata)
             if drafted is not None:
                 return drafted
 
