@@ -104,3 +104,12 @@ def test_whole_draft_loop_replayed_from_a_graph(runs, target: str) -> None:  # t
     assert ours.draft_loop_graphs_off is None
     assert ours.draft_loop_graphs
     assert all(k == 3 and size >= 1 for size, k in ours.draft_loop_graphs)
+
+
+@pytest.mark.parametrize("target", ["tiny", "e2b"])
+def test_verification_attention_ran_as_one_token_sequences(runs, target: str) -> None:  # type: ignore[no-untyped-def]
+    # patch/patch_triton_attn.py: the target's verification batches went through the Triton
+    # decode kernel; the equal-output test above ran through them. Plain decoding has no
+    # verification batches.
+    assert runs[f"{target}-ours"].flat_verify_rewrites > 0
+    assert runs[f"{target}-plain"].flat_verify_rewrites == 0

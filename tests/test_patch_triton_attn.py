@@ -50,7 +50,7 @@ def test_rewrite_gives_one_token_sequences() -> None:
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table, 9
     )
     out = flat.rewrite(_common(3, 9), metadata)
-    assert out.max_query_len == 1
+    assert out.max_query_len == 1 and flat.rewrites == 1
     assert out.query_start_loc.tolist() == want[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 6, 6, 6]
     assert out.seq_lens.tolist() == [8, 9, 10, 5, 6, 7, 0, 0, 0]
     assert torch.equal(out.block_table[:6], want[2][:6])

@@ -60,6 +60,9 @@ class RunResult:
     # drafted step by step instead (None if it did not).
     draft_loop_graphs: list[tuple[int, int]] = field(default_factory=list)
     draft_loop_graphs_off: str | None = None
+    # Target attention builds whose verification batch ran as one-token sequences
+    # (patch/patch_triton_attn.py), summed over the runner's attention builders.
+    flat_verify_rewrites: int = 0
 
     @property
     def acceptance(self) -> Acceptance:
@@ -130,6 +133,7 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     result.sampler_graph_sizes = worker["sampler_graph_sizes"]
     result.draft_loop_graphs = [tuple(x) for x in worker["draft_loop_graphs"]]
     result.draft_loop_graphs_off = worker["draft_loop_graphs_off"]
+    result.flat_verify_rewrites = worker["flat_verify_rewrites"]
     del llm
     return result
 
@@ -150,6 +154,12 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "sampler_graph_sizes": list(getattr(sampler, "captured_sizes", [])),
         "draft_loop_graphs": [] if loops is None else loops.captured,
         "draft_loop_graphs_off": None if loops is None else loops.disabled,
+        "flat_verify_rewrites": sum(
+            getattr(vars(builder).get("_gemma4_spec_flat"), "rewrites", 0)
+            for groups in getattr(runner, "attn_groups", None) or []
+            for group in groups
+            for builder in group.metadata_builders
+        ),
     }
 
 
