@@ -12,7 +12,7 @@
 #   1. kernels  (carry .devexp/parts/vllm-trim.tar.xz.part00): kernel tests + benchmark, no
 #               vLLM needed; also stages part00 for step 2
 #   2. vllm     (carry part01, .devexp/wheels, .devexp/tf, .devexp/ours): installs vLLM, then
-#               runs the GPU engine test
+#               the verification-attention test and benchmark and the GPU engine test
 #   3. e2e      (no carry): the end-to-end benchmark (about 5 minutes)
 #   4. profile  (no carry, optional): torch.profiler of ours (k=2) and of plain V1, batch 1
 # Only committed code should be on the tree that travels: a half-written kernel breaks step 2.
@@ -30,9 +30,9 @@ kernels)
     export PYTHONPATH=$PWD
     timeout 150 python3 benchmarks/centroid_argmax.py --tokens 1,2,3,4,8,16,32,64,256 \
         --reps 200 --json "$OUT/centroid_argmax.json" 2>&1 | tee "$OUT/centroid_argmax.log"
-    timeout 200 python3 -m pytest -q tests/test_centroid_argmax_cuda.py \
-        > "$OUT/test_centroid_argmax_cuda.log" 2>&1
-    echo "kernel tests rc=$?"; tail -3 "$OUT/test_centroid_argmax_cuda.log"
+    timeout 200 python3 -m pytest -q tests/test_centroid_argmax_cuda.py tests/test_flat_queries.py \
+        > "$OUT/test_kernels_cuda.log" 2>&1
+    echo "kernel tests rc=$?"; tail -3 "$OUT/test_kernels_cuda.log"
     ;;
 vllm)
     mkdir -p /tmp/site /tmp/tf
@@ -43,7 +43,11 @@ vllm)
     pip install -q --no-index --no-deps --no-compile --target /tmp/tf .devexp/tf/*.whl \
         2>&1 | grep -v "as the 'root' user"
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
-    timeout 420 python3 -m pytest -q -x tests/test_gpu_engine.py > "$OUT/test_gpu_engine.log" 2>&1
+    timeout 100 python3 -m pytest -q tests/test_flat_verify_cuda.py > "$OUT/test_flat_verify_cuda.log" 2>&1
+    echo "verify attention test rc=$?"; tail -2 "$OUT/test_flat_verify_cuda.log"
+    timeout 100 python3 benchmarks/verify_attention.py --json "$OUT/verify_attention.json" \
+        2>&1 | tee "$OUT/verify_attention.log" | grep -v Warning
+    timeout 360 python3 -m pytest -q -x tests/test_gpu_engine.py > "$OUT/test_gpu_engine.log" 2>&1
     echo "engine test rc=$?"; tail -3 "$OUT/test_gpu_engine.log"
     ;;
 e2e)
