@@ -29,11 +29,11 @@ POINTERS = {
 }  # fmt: skip
 
 
-def _compile(kernel, constexprs: dict, num_warps: int = 4) -> str:  # type: ignore[no-untyped-def]
+def _compile(kernel, constexprs: dict, num_warps: int = 4):  # type: ignore[no-untyped-def]
     names = inspect.signature(kernel.fn).parameters
     sig = {n: "constexpr" if n in constexprs else POINTERS.get(n, "i32") for n in names}
     try:
-        compiled = triton.compile(
+        return triton.compile(
             ASTSource(fn=kernel, signature=sig, constexprs=constexprs),
             target=GPUTarget("cuda", 90, 32),
             options={"num_warps": num_warps},
@@ -42,25 +42,23 @@ def _compile(kernel, constexprs: dict, num_warps: int = 4) -> str:  # type: igno
         if "ptxas" in str(exc).lower():
             pytest.skip(str(exc))
         raise
-    return compiled.asm["ptx"]
 
 
 REAL_V = 262144
 
 
-@pytest.mark.parametrize("progs", [128, 32])
+@pytest.mark.parametrize("progs", [128, 64, 32, 16, 8])
 def test_persistent_kernel_compiles_with_barriers(progs: int) -> None:
-    block_c = 2048 // progs
-    rows = 32 * 128 // progs
-    block_r = min(m.PERSISTENT_BLOCK_R, rows)
-    ptx = _compile(
-        m._persistent_kernel,
-        dict(P=progs, BLOCK_C=block_c, ROWS=rows, BLOCK_R=block_r,
-             BLOCK_D=256, RANK_CHUNK=max(16, min(2048, 8192 // block_c)), BLOCK_P=progs,
-             V=REAL_V, PHASE=0),
-        8 if block_r * 256 >= 16384 else 4,
-    )  # fmt: skip
+    """At every P the launcher may pick for the real dims; the metadata the occupancy sizing
+    reads (shared memory, warps) is there."""
+    meta = m.persistent_meta(progs, 2048, 256, 32, REAL_V)
+    num_warps = meta.pop("num_warps")
+    compiled = _compile(m._persistent_kernel, dict(meta, PHASE=0), num_warps)
+    ptx = compiled.asm["ptx"]
     assert ptx.count("release") >= 2 and ptx.count("acquire") >= 2
+    assert compiled.metadata.num_warps == num_warps
+    assert isinstance(compiled.metadata.shared, int)
+    assert m.programs_per_sm(0, compiled.metadata.shared, num_warps) >= 1
 
 
 def test_centroid_path_kernels_compile() -> None:

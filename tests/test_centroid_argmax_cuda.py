@@ -30,8 +30,11 @@ from gemma4_spec.ops.centroid_argmax_triton import (
     centroid_argmax_centroid_major,
     centroid_argmax_fp32_reference,
     centroid_argmax_fused,
+    largest_resident_programs,
     masked_logits_fp32_reference,
+    persistent_programs,
     prepare_fused_centroid_argmax,
+    programs_per_sm,
     select_centroids_ranked,
     select_centroids_reference,
 )
@@ -238,6 +241,28 @@ def test_cuda_graph_replay(num_tokens: int, path: str) -> None:
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 2, 3, 4, 8, 16, 32])
+def test_persistent_programs_per_token(num_tokens: int, dtype: torch.dtype) -> None:
+    """Where the occupancy sizing changes P: the persistent path (forced) gives the
+    reference's tokens, directly and replayed in a CUDA graph, and leaves its counters at 0."""
+    lm_head, mask = _make(**REAL, dtype=dtype, device="cuda", seed=81)
+    hidden = _hidden(num_tokens, REAL["d"], dtype, "cuda", seed=82 + num_tokens)
+    progs = persistent_programs(mask, hidden, lm_head)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert progs == 0 or (progs & (progs - 1) == 0 and num_tokens * progs <= 32 * sms)
+    got = centroid_argmax_fused(mask, hidden, lm_head, path="persistent")
+    _assert_tokens(got, hidden, lm_head, mask)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = centroid_argmax_fused(mask, hidden, lm_head, path="persistent")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, got)
+    assert not _state_for(mask, REAL["vocab"]).counters.any()
+
+
+@needs_cuda
 def test_centroid_score_ties_go_to_smallest_index() -> None:
     _check_score_ties("cuda")
 
@@ -299,6 +324,44 @@ def test_threshold_env_variable_keeps_its_old_name() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["7"]
+
+
+def test_programs_per_sm_hand_computed() -> None:
+    """CUDA's occupancy rules on an H100 / H200 SM (65536 registers, 4 quarters, allocated
+    per warp in units of 256; 228 KiB of shared, 1 KiB reserved per block; 2048 threads; 32
+    blocks), by hand."""
+    assert programs_per_sm(32, 0, 4) == 16  # threads: 2048 / 128; regs: 64 warps
+    assert programs_per_sm(16, 0, 1) == 32  # the block limit
+    assert programs_per_sm(128, 0, 8) == 2  # 4096 regs a warp: 4 per quarter, 16 warps
+    assert programs_per_sm(162, 0, 4) == 3  # 5184 -> 5376 a warp: 3 per quarter, 12 warps
+    assert programs_per_sm(255, 0, 8) == 1  # 8160 -> 8192 a warp: 2 per quarter, 8 warps
+    assert programs_per_sm(80, 0, 1) == 24  # 2560 a warp: 6 per quarter (not 65536 // 2560)
+    assert programs_per_sm(40, 0, 4) == 12  # 1280 a warp: 12 per quarter, 48 warps
+    assert programs_per_sm(32, 100 * 1024, 4) == 2  # (102400 + 1024) per block of 233472
+    assert programs_per_sm(32, 57 * 1024 - 1024, 4) == 4  # 4 x 57 KiB: exactly full
+    assert programs_per_sm(32, 57 * 1024 - 1023, 4) == 3  # one byte more: 128 more a block
+    assert programs_per_sm(32, 228 * 1024, 4) == 0  # more than one block may have
+    assert programs_per_sm(0, 0, 32) == 2  # no registers counted: threads alone
+
+
+def test_largest_resident_programs() -> None:
+    """The largest power of two P in [least, most] with T * P <= SMs x resident(P)."""
+    one = lambda p: 1  # noqa: E731 - the old rule: one program per SM
+    assert [largest_resident_programs(t, 132, 128, 1, one) for t in (1, 2, 4, 8, 16)] == [
+        128, 64, 32, 16, 8,
+    ]  # fmt: skip
+    # Registers grow as P shrinks (more centroids and rows per program): 3, then 1 per SM.
+    regs = lambda p: 3 if p >= 128 else 1  # noqa: E731
+    assert [largest_resident_programs(t, 132, 128, 8, regs) for t in (1, 2, 3, 4, 16)] == [
+        128, 128, 128, 32, 8,
+    ]  # fmt: skip
+    assert largest_resident_programs(17, 132, 128, 8, regs) == 0  # below the floor
+    assert largest_resident_programs(40, 132, 128, 1, regs) == 2
+    assert largest_resident_programs(133, 132, 128, 1, one) == 0
+    assert largest_resident_programs(1, 16, 24, 1, one) == 16  # at most C (24 here)
+    asked: list[int] = []
+    largest_resident_programs(4, 132, 128, 8, lambda p: asked.append(p) or 1)
+    assert asked == [128, 64, 32]  # from the largest down, stopping at the first that fits
 
 
 # The interpreter checks run as two concurrent subprocesses, to keep CPU CI short.

@@ -11,18 +11,24 @@ compared as order-preserving int32 keys). Every centroid's rank is independent o
 so the work spreads over many programs, and a picked centroid writes itself to ``sel[t, rank]``.
 
 * **small T** (``path="persistent"``, ``T < CENTROID_MIN_TOKENS``): one launch of
-  ``_persistent_kernel``, grid ``(T, P)``, ``P`` a power of two up to ``PERSISTENT_PROGRAMS``
-  with ``T * P`` at most the SM count, so that every program is resident at once. Three phases
-  separated by per-token grid barriers (arrive with a releasing atomic, spin on an acquiring
-  one): (1) each program computes ``C / P`` fp32 centroid scores; (2) each ranks its ``C / P``
-  centroids against the token's ``C`` scores; (3) each scores its share of the
-  ``top_k * V / C`` picked lm_head rows (through ``token_ordering``) and keeps the best
-  (value, smallest id); the last program to finish (a counter) reduces the ``P`` partials,
-  writes the token, and resets the barrier and finish counters to zero (every program has
-  passed both barriers by then) for the next call or graph replay. Under Triton's CPU
-  interpreter, which runs programs one after another, the kernel is launched once per phase
-  instead (the ``PHASE`` constexpr) with no barriers, unless ``P`` is 1 (a barrier of one
-  program opens at once). More tokens than SMs: the next path.
+  ``_persistent_kernel``, grid ``(T, P)``, ``P`` a power of two from ``PERSISTENT_MIN_PROGRAMS``
+  to ``PERSISTENT_PROGRAMS`` with all ``T * P`` programs resident at once: at most the SM count
+  times how many programs of the compiled kernel one SM holds (``persistent_programs``: each
+  candidate P, from the largest down, is compiled and its registers per thread, shared memory
+  and warps go through CUDA's occupancy rules, ``programs_per_sm``, capped by the driver's own
+  occupancy answer; one per SM if they cannot be read). Three phases separated by per-token
+  grid barriers (arrive with a releasing atomic, spin on an acquiring one): (1) each program
+  computes ``C / P`` fp32 centroid scores; (2) each reads the token's ``C`` scores once, takes
+  the group-maxima bound (as ``_select_rank_kernel`` does, below) and ranks its ``C / P``
+  centroids against all ``C`` only if one of them reaches it (few programs do); (3) each
+  scores its share of the ``top_k * V / C`` picked lm_head rows (through ``token_ordering``)
+  and keeps the best (value, smallest id); the last program to finish (a counter) reduces
+  the ``P`` partials, writes the token, and resets the barrier and finish counters to zero
+  (every program has passed both barriers by then) for the next call or graph replay. Under
+  Triton's CPU interpreter, which runs programs one after another, the kernel is launched
+  once per phase instead (the ``PHASE`` constexpr) with no barriers, unless ``P`` is 1 (a
+  barrier of one program opens at once). Fewer than ``PERSISTENT_MIN_PROGRAMS`` per token
+  resident: the next path.
 * **larger T** (``path="centroid"``), three kernels:
   1. ``_scores_dot_kernel``, grid ``(T / BLOCK_T, C / BLOCK_C)``: fp32 scores by ``tl.dot``
      over token blocks, so the centroid weights are read once per token block, not per token.
@@ -47,17 +53,24 @@ environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``centroid_min_tok
 argument) when its grid fits the GPU, and the centroid-major path otherwise. H200, bf16, real
 E2B dims (V 262144, C 2048, top-k 32, d 256), CUDA graphs, cold L2, median us, persistent /
 centroid: T=1 18.0 / 30.8, T=2 24.9 / 31.7, T=4 38.1 / 32.9, T=8 57.6 / 35.3, T=16 77.8 / 42.6,
-T=64 372 / 79 (vLLM's in-tree formula 52 to 996, a full-vocab argmax 55 to 166). T=3 runs 32
-persistent programs per token like T=4, so it goes to the centroid path. Two older paths (a
-radix top-k followed by a per-token gather-argmax or a per-token-block dense argmax) never beat
-these two and were removed. Block sizes, programs per token and row splits are the module
+T=64 372 / 79 (vLLM's in-tree formula 52 to 996, a full-vocab argmax 55 to 166). Those
+persistent figures are from the older sizing (one program per SM, P = 128 / 64 / 32 / 16 / 8)
+and phase 2 (every program ranked all its centroids); the occupancy sizing and the bounded
+phase 2 are not yet measured on a GPU (``benchmarks/centroid_argmax.py`` prints the P chosen
+per T). Compiled for sm_90 (Triton 3.9, without a GPU), the kernel at the real dims takes 162
+registers a thread at P = 128 (4 warps: 3 programs per SM) and 255 with spills at P <= 64 (8
+warps: 1 per SM), so the new sizing can only raise P where P = 128 fits (T <= 3). Two older
+paths (a radix top-k followed by a per-token gather-argmax or a per-token-block dense argmax)
+never beat these two and were removed. Block sizes, programs per token and row splits are the module
 constants ``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and ``CENTROID_*``.
 
 Caveats: the persistent kernel's barriers assume all its programs are resident together; a
 kernel running concurrently on another stream that holds SMs until this one finishes could
-deadlock it (nothing in the draft step does). Many exact score ties at the ``top_k`` boundary
-(e.g. an all-zero hidden state) make ``_select_rank_kernel`` rank all ``C`` scores against each
-other: correct, but slower.
+deadlock it (nothing in the draft step does), and so would an occupancy over-estimate (the
+driver's answer caps ours for that reason). The first call for each T compiles the candidate
+P (a few seconds each): make it before graph capture. Many exact score ties at the ``top_k``
+boundary (e.g. an all-zero hidden state) make ``_select_rank_kernel`` (and phase 2) rank all
+``C`` scores against each other: correct, but slower.
 
 The definition these kernels implement is ``centroid_argmax_fp32_reference``: everything in
 float32 from the given (e.g. bfloat16) values, centroid ties to the smallest centroid index,
@@ -73,7 +86,9 @@ caches it per mask) so no allocation of persistent state happens during capture.
 
 from __future__ import annotations
 
+import ctypes
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -361,6 +376,8 @@ if HAS_TRITON:
         BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
         RANK_CHUNK: tl.constexpr,
+        BLOCK_ALL_C: tl.constexpr,  # >= C, a power of two
+        GROUPS: tl.constexpr,  # a power of two >= K (and <= BLOCK_ALL_C)
         BLOCK_P: tl.constexpr,  # >= P
         V: tl.constexpr,
         PHASE: tl.constexpr,  # 0: all three with grid barriers; 1, 2, 3: that phase alone
@@ -385,15 +402,22 @@ if HAS_TRITON:
             tl.store(scores_ptr + t * C + offs_c, acc, mask=c_ok)
         if PHASE == 0:
             _grid_barrier(bar1_ptr + t, P)
-        # Phase 2: rank this program's centroids against all the token's scores.
+        # Phase 2: rank this program's centroids against all the token's scores, only if one
+        # of them reaches the group-maxima bound (most programs have none: no L2 round trips
+        # of ranking for them). Scores written by other programs: read through L2 (".cg").
         if PHASE == 0 or PHASE == 2:
-            own = tl.load(scores_ptr + t * C + offs_c, mask=c_ok, other=0.0, cache_modifier=".cg")
-            rank = _rank_block(
-                _sortable_key(own), offs_c, scores_ptr + t * C, scores_ptr, C,
-                BLOCK_C, RANK_CHUNK, True, True,
-            )  # fmt: skip
-            chosen = c_ok & (rank < K)
-            tl.store(sel_ptr + t * K + rank, offs_c, mask=chosen)
+            offs_all = tl.arange(0, BLOCK_ALL_C)
+            all_key = _score_keys(scores_ptr + t * C, offs_all, offs_all < C, ".cg")
+            bound = _pick_bound(all_key, BLOCK_ALL_C, GROUPS)
+            own_key = _score_keys(scores_ptr + t * C, offs_c, c_ok, ".cg")
+            maybe = c_ok & (own_key >= bound)
+            if tl.max(maybe.to(tl.int32), axis=0) > 0:
+                rank = _rank_block(
+                    own_key, offs_c, scores_ptr + t * C, scores_ptr, C,
+                    BLOCK_C, RANK_CHUNK, True, True,
+                )  # fmt: skip
+                chosen = maybe & (rank < K)
+                tl.store(sel_ptr + t * K + rank, offs_c, mask=chosen)
         if PHASE == 0:
             _grid_barrier(bar2_ptr + t, P)
         # Phase 3: this program's share of the K * TPC candidate rows; best (value, id).
@@ -483,10 +507,11 @@ if HAS_TRITON:
             tl.store(count_ptr + offs_c, tl.zeros([BLOCK_C], tl.int32), mask=c_ok)
 
     @triton.jit
-    def _score_keys(row_ptr, offs, ok):
+    def _score_keys(row_ptr, offs, ok, CACHE: tl.constexpr):
         """Order-preserving int32 keys of the fp32 scores at ``row_ptr + offs``; the lowest
-        key where not ``ok``."""
-        scores = tl.load(row_ptr + offs, mask=ok, other=0.0)
+        key where not ``ok``. CACHE: the load's cache modifier (".cg" for scores written by
+        other programs of the same launch)."""
+        scores = tl.load(row_ptr + offs, mask=ok, other=0.0, cache_modifier=CACHE)
         return tl.where(ok, _sortable_key(scores), -(2**31))
 
     @triton.jit
@@ -525,7 +550,7 @@ if HAS_TRITON:
         t = tl.program_id(0)
         offs = tl.arange(0, BLOCK_ALL_C)
         ok = offs < C
-        key = _score_keys(scores_ptr + t * C, offs, ok)
+        key = _score_keys(scores_ptr + t * C, offs, ok, "")
         cand = ok & (key >= _pick_bound(key, BLOCK_ALL_C, GROUPS))
         pos = tl.cumsum(cand.to(tl.int32), axis=0) - 1
         n = tl.sum(cand.to(tl.int32), axis=0)
@@ -566,10 +591,12 @@ if HAS_TRITON:
         t = tl.program_id(0)
         b = tl.program_id(1)
         offs = tl.arange(0, BLOCK_ALL_C)
-        bound = _pick_bound(_score_keys(scores_ptr + t * C, offs, offs < C), BLOCK_ALL_C, GROUPS)
+        bound = _pick_bound(
+            _score_keys(scores_ptr + t * C, offs, offs < C, ""), BLOCK_ALL_C, GROUPS
+        )
         own = b * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
         own_ok = own < C
-        own_key = _score_keys(scores_ptr + t * C, own, own_ok)
+        own_key = _score_keys(scores_ptr + t * C, own, own_ok, "")
         maybe = own_ok & (own_key >= bound)
         if tl.max(maybe.to(tl.int32), axis=0) > 0:
             rank = _rank_block(
@@ -670,6 +697,11 @@ if HAS_TRITON:
 
 PERSISTENT_PROGRAMS = 128  # programs per token of the persistent kernel, at most
 PERSISTENT_INTERPRET_SMS = 16  # "SM count" under the interpreter (small test grids)
+# Fewer programs per token on a GPU: the centroid path instead. Each program would hold C / P
+# centroids' scores and K * V / C / P rows: compiled for sm_90 at the real dims, P = 4 spills
+# 22 KB of stack per thread and takes ~50 s to compile, P = 1 ~9 minutes; and P = 8 (T=16)
+# already took ~1.8x the centroid path's time on the H200.
+PERSISTENT_MIN_PROGRAMS = 8
 PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T grows)
 SCORES_MAX_BLOCK_T = 64
 SCORES_DOT_BLOCK_C = 64
@@ -700,29 +732,228 @@ def _dot_precision(hidden: torch.Tensor) -> tuple[str, bool]:
     return ("ieee" if hidden.dtype == torch.float32 or upcast else "tf32"), upcast
 
 
-_SM_COUNT: dict[int, int] = {}
+@dataclass(frozen=True)
+class SmLimits:
+    """What one SM holds at once, for the occupancy of a kernel (CUDA's occupancy rules)."""
+
+    registers: int = 65536
+    shared: int = 228 * 1024  # bytes, including the driver's reserve per block
+    shared_per_block: int = 227 * 1024  # the most one block may use
+    threads: int = 2048
+    blocks: int = 32
+    warp_size: int = 32
 
 
-def _programs_per_token(num_tokens: int, device: torch.device, num_centroids: int) -> int:
-    """Programs per token of the persistent kernel: a power of two, at most
-    PERSISTENT_PROGRAMS, with all ``T * P`` programs resident at once (one per SM at most);
-    0 if even one per token does not fit."""
-    if _interpreting():
-        sms = PERSISTENT_INTERPRET_SMS
-    else:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _SM_COUNT:
-            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        sms = _SM_COUNT[index]
-    per_token = min(PERSISTENT_PROGRAMS, sms // max(num_tokens, 1), num_centroids)
-    if per_token < 1:
+HOPPER_SM = SmLimits()  # H100 / H200 (sm_90); also A100 (sm_80) up to its 164 KiB of shared
+_REG_ALLOC_UNIT = 256  # registers are allocated to a warp in units of this many
+_REG_SUB_PARTITIONS = 4  # a warp's registers all come from one quarter of the SM's file
+_SHARED_ALLOC_UNIT = 128  # bytes (sm_80 and later)
+_SHARED_RESERVED = 1024  # bytes the driver keeps per resident block (sm_80 and later)
+
+
+def programs_per_sm(n_regs: int, shared: int, num_warps: int, limits: SmLimits = HOPPER_SM) -> int:
+    """How many programs (thread blocks) of a kernel one SM holds at once: the smallest of the
+    thread, block, register and shared-memory limits; 0 if one program does not fit.
+
+    ``n_regs``: registers per thread (as compiled; 0 counts as none), ``shared``: bytes of
+    shared memory per program, ``num_warps``: warps per program."""
+    if num_warps < 1 or n_regs < 0 or shared < 0:
+        raise ValueError(f"bad kernel resources {n_regs=} {shared=} {num_warps=}")
+    if shared > limits.shared_per_block:
         return 0
-    return 1 << (per_token.bit_length() - 1)
+    by_threads = limits.threads // (num_warps * limits.warp_size)
+    by_regs = limits.blocks
+    regs_per_warp = -(-n_regs * limits.warp_size // _REG_ALLOC_UNIT) * _REG_ALLOC_UNIT
+    if regs_per_warp:
+        per_partition = limits.registers // _REG_SUB_PARTITIONS // regs_per_warp
+        by_regs = per_partition * _REG_SUB_PARTITIONS // num_warps
+    block_shared = -(-(shared + _SHARED_RESERVED) // _SHARED_ALLOC_UNIT) * _SHARED_ALLOC_UNIT
+    by_shared = limits.shared // block_shared
+    return min(by_threads, limits.blocks, by_regs, by_shared)
 
 
-def persistent_fits(num_tokens: int, device: torch.device, num_centroids: int) -> bool:
-    """Whether the persistent (single launch) kernel can run ``num_tokens`` tokens."""
-    return _programs_per_token(num_tokens, device, num_centroids) > 0
+def largest_resident_programs(
+    num_tokens: int, sms: int, most: int, least: int, resident_per_sm: Callable[[int], int]
+) -> int:
+    """The largest power of two ``least <= P <= most`` whose ``num_tokens * P`` programs are
+    all resident at once on ``sms`` SMs, each holding ``resident_per_sm(P)`` of them (the
+    kernel's resources depend on P); 0 if none. Asks from the largest P down."""
+    progs = 1 << (most.bit_length() - 1) if most >= 1 else 0
+    while progs >= max(least, 1):
+        if num_tokens * progs <= sms * resident_per_sm(progs):
+            return progs
+        progs //= 2
+    return 0
+
+
+_SM_LIMITS: dict[int, tuple[int, SmLimits]] = {}
+
+
+def _device_sms(device: torch.device) -> tuple[int, SmLimits]:
+    """(SM count, one SM's limits) of a CUDA device, from torch's properties where it has
+    them (the Hopper figures otherwise)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_LIMITS:
+        props = torch.cuda.get_device_properties(index)
+        # 32 resident blocks on sm_80 / sm_90 / sm_100; fewer (16 or 24) on others: assume 16.
+        blocks = HOPPER_SM.blocks if props.minor == 0 and props.major in (8, 9, 10) else 16
+        limits = SmLimits(
+            registers=getattr(props, "regs_per_multiprocessor", HOPPER_SM.registers),
+            shared=getattr(props, "shared_memory_per_multiprocessor", HOPPER_SM.shared),
+            shared_per_block=getattr(
+                props, "shared_memory_per_block_optin", HOPPER_SM.shared_per_block
+            ),
+            threads=getattr(props, "max_threads_per_multi_processor", HOPPER_SM.threads),
+            blocks=blocks,
+            warp_size=getattr(props, "warp_size", HOPPER_SM.warp_size),
+        )
+        _SM_LIMITS[index] = (props.multi_processor_count, limits)
+    return _SM_LIMITS[index]
+
+
+def _driver_programs_per_sm(function: int, threads: int, shared: int) -> int | None:
+    """The CUDA driver's own answer (cuOccupancyMaxActiveBlocksPerMultiprocessor) for a
+    loaded kernel, or None if it cannot be asked."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        count = ctypes.c_int(0)
+        status = libcuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ctypes.byref(count), ctypes.c_void_p(function), ctypes.c_int(threads),
+            ctypes.c_size_t(shared),
+        )  # fmt: skip
+    except (OSError, AttributeError, TypeError, ctypes.ArgumentError):
+        return None
+    return count.value if status == 0 else None
+
+
+def _compiled_programs_per_sm(kernel: object, limits: SmLimits) -> int:
+    """Programs of a compiled kernel (Triton's CompiledKernel) one SM holds at once: from its
+    registers per thread, shared memory and warps, and never more than the driver says."""
+    init = getattr(kernel, "_init_handles", None)
+    if callable(init):
+        init()  # loads the module: fills n_regs (and the driver's function handle)
+    meta = getattr(kernel, "metadata", None)
+    n_regs = getattr(kernel, "n_regs", None)
+    shared = getattr(meta, "shared", None)
+    num_warps = getattr(meta, "num_warps", None)
+    if not (isinstance(n_regs, int) and isinstance(shared, int) and isinstance(num_warps, int)):
+        raise AttributeError("no n_regs / metadata.shared / metadata.num_warps")
+    resident = programs_per_sm(n_regs, shared, num_warps, limits)
+    function = getattr(kernel, "function", None)
+    if isinstance(function, int) and function:
+        driver = _driver_programs_per_sm(function, num_warps * limits.warp_size, shared)
+        if driver is not None and driver > 0:
+            resident = min(resident, driver)
+    return resident
+
+
+def persistent_meta(progs: int, num_centroids: int, d: int, top_k: int, vocab: int) -> dict:
+    """The persistent kernel's constexprs (and ``num_warps``) for ``progs`` programs per
+    token, all but PHASE."""
+    tpc = vocab // num_centroids
+    block_c = triton.next_power_of_2(triton.cdiv(num_centroids, progs))
+    rows = triton.cdiv(top_k * tpc, progs)
+    block_r = min(PERSISTENT_BLOCK_R, triton.next_power_of_2(rows))
+    block_d = min(256, triton.next_power_of_2(d))
+    return dict(
+        P=progs,
+        BLOCK_C=block_c,
+        ROWS=rows,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        RANK_CHUNK=max(16, min(triton.next_power_of_2(num_centroids), 8192 // block_c)),
+        BLOCK_ALL_C=triton.next_power_of_2(num_centroids),
+        GROUPS=triton.next_power_of_2(top_k),
+        BLOCK_P=triton.next_power_of_2(progs),
+        V=vocab,
+        num_warps=8 if block_r * block_d >= 16384 else 4,  # more rows in flight per program
+    )
+
+
+def _persistent_launch(
+    state: FusedCentroidState,
+    mask: CentroidMask,
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    out: torch.Tensor,
+    progs: int,
+) -> tuple[tuple, dict]:
+    """The persistent kernel's arguments (with fresh scratch) and ``persistent_meta`` for
+    ``progs`` programs per token."""
+    num_tokens, d = hidden.shape
+    dev = hidden.device
+    c, k, vocab = state.num_centroids, state.top_k, state.vocab
+    scores = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
+    sel = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
+    part_val = torch.empty(num_tokens, progs, dtype=torch.float32, device=dev)
+    part_idx = torch.empty(num_tokens, progs, dtype=torch.int32, device=dev)
+    args = (
+        hidden, mask.centroids_weight, lm_head_weight, state.ordering, state.suppressed,
+        scores, sel, part_val, part_idx,
+        state.counters[_ROW_BAR1], state.counters[_ROW_BAR2], state.counters[_ROW_DONE], out,
+        c, d, k, vocab // c, hidden.stride(0), mask.centroids_weight.stride(0),
+        lm_head_weight.stride(0),
+    )  # fmt: skip
+    return args, persistent_meta(progs, c, d, k, vocab)
+
+
+# Programs per token of the persistent kernel, per (tokens, device, dtypes, shapes, strides).
+_PERSISTENT_PROGRAMS: dict[tuple, int] = {}
+
+
+def persistent_programs(
+    mask: CentroidMask,
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    state: FusedCentroidState | None = None,
+) -> int:
+    """Programs per token ``P`` the persistent kernel runs these inputs with: a power of two,
+    at most PERSISTENT_PROGRAMS (and C), with all ``T * P`` programs resident at once, as
+    many per SM as the compiled kernel's registers, shared memory and warps allow (each
+    candidate P is compiled, from the largest down, the first call for a shape); 0 if not
+    even PERSISTENT_MIN_PROGRAMS per token fit. Under the interpreter: one per "SM", of
+    PERSISTENT_INTERPRET_SMS, down to 1 per token."""
+    if not triton_usable(hidden.device):
+        return 0
+    _check(mask, hidden, lm_head_weight)
+    num_tokens = hidden.shape[0]
+    c = mask.centroids_weight.shape[0]
+    most = min(PERSISTENT_PROGRAMS, c)
+    if _interpreting():
+        return largest_resident_programs(num_tokens, PERSISTENT_INTERPRET_SMS, most, 1, lambda p: 1)
+    tensors = (hidden, mask.centroids_weight, lm_head_weight)
+    key = (
+        num_tokens, str(hidden.device), mask.top_k,
+        tuple((x.dtype, tuple(x.shape), x.stride(0)) for x in tensors),
+    )  # fmt: skip
+    if key in _PERSISTENT_PROGRAMS:
+        return _PERSISTENT_PROGRAMS[key]
+    sms, limits = _device_sms(hidden.device)
+    prepared = state or _state_for(mask, lm_head_weight.shape[0])
+    out = torch.empty(num_tokens, dtype=torch.int64, device=hidden.device)
+
+    def resident_per_sm(progs: int) -> int:
+        args, meta = _persistent_launch(prepared, mask, hidden, lm_head_weight, out, progs)
+        ceiling = programs_per_sm(0, 0, meta["num_warps"], limits)  # threads and blocks
+        if num_tokens * progs > sms * ceiling:
+            return ceiling  # too many whatever the registers: no need to compile it
+        try:
+            kernel = _persistent_kernel.warmup(*args, grid=(num_tokens, progs), PHASE=0, **meta)
+            return _compiled_programs_per_sm(kernel, limits)
+        except Exception:  # a Triton without these attributes, a kernel that cannot load...
+            return 1  # ...: the old rule, one program per SM (a launch error shows there)
+
+    least = min(PERSISTENT_MIN_PROGRAMS, most)
+    progs = largest_resident_programs(num_tokens, sms, most, least, resident_per_sm)
+    if len(_PERSISTENT_PROGRAMS) >= 256:
+        _PERSISTENT_PROGRAMS.clear()
+    _PERSISTENT_PROGRAMS[key] = progs
+    return progs
+
+
+def persistent_fits(mask: CentroidMask, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> bool:
+    """Whether the persistent (single launch) kernel can run these inputs."""
+    return persistent_programs(mask, hidden, lm_head_weight) > 0
 
 
 def centroid_argmax_persistent(
@@ -732,51 +963,24 @@ def centroid_argmax_persistent(
     state: FusedCentroidState | None = None,
     phased: bool = False,
 ) -> torch.Tensor:
-    """Small-T path: one launch of ``_persistent_kernel``, ``P`` programs per token that
-    compute the centroid scores, rank them and score the picked rows, separated by per-token
-    grid barriers (under the interpreter, or with ``phased``: three launches, one per phase,
-    no barriers; the benchmark times both to see what the barriers cost). With more tokens
-    than the GPU has SMs it runs the centroid-major path instead."""
+    """Small-T path: one launch of ``_persistent_kernel``, ``P`` programs per token
+    (``persistent_programs``) that compute the centroid scores, rank them and score the picked
+    rows, separated by per-token grid barriers (under the interpreter, or with ``phased``:
+    three launches, one per phase, no barriers; the benchmark times both to see what the
+    barriers cost). With more tokens than the GPU holds programs it runs the centroid-major
+    path instead."""
     _check(mask, hidden, lm_head_weight)
     vocab = lm_head_weight.shape[0]
     state = state or _state_for(mask, vocab)
-    num_tokens, d = hidden.shape
-    dev = hidden.device
-    out = torch.empty(num_tokens, dtype=torch.int64, device=dev)
+    num_tokens = hidden.shape[0]
+    out = torch.empty(num_tokens, dtype=torch.int64, device=hidden.device)
     if num_tokens == 0:
         return out
-    c, k = state.num_centroids, state.top_k
-    progs = _programs_per_token(num_tokens, dev, c)
-    if progs == 0:  # more tokens than SMs: the grid barriers could deadlock
+    progs = persistent_programs(mask, hidden, lm_head_weight, state)
+    if progs == 0:  # not all resident at once: the grid barriers could deadlock
         return centroid_argmax_centroid_major(mask, hidden, lm_head_weight, state)
     state.ensure_capacity(num_tokens)
-    tpc = vocab // c
-    block_c = triton.next_power_of_2(triton.cdiv(c, progs))
-    rows = triton.cdiv(k * tpc, progs)
-    scores = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
-    sel = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
-    part_val = torch.empty(num_tokens, progs, dtype=torch.float32, device=dev)
-    part_idx = torch.empty(num_tokens, progs, dtype=torch.int32, device=dev)
-    args = (
-        hidden, mask.centroids_weight, lm_head_weight, state.ordering, state.suppressed,
-        scores, sel, part_val, part_idx,
-        state.counters[_ROW_BAR1], state.counters[_ROW_BAR2], state.counters[_ROW_DONE], out,
-        c, d, k, tpc, hidden.stride(0), mask.centroids_weight.stride(0),
-        lm_head_weight.stride(0),
-    )  # fmt: skip
-    block_r = min(PERSISTENT_BLOCK_R, triton.next_power_of_2(rows))
-    block_d = min(256, triton.next_power_of_2(d))
-    meta = dict(
-        P=progs,
-        BLOCK_C=block_c,
-        ROWS=rows,
-        BLOCK_R=block_r,
-        BLOCK_D=block_d,
-        RANK_CHUNK=max(16, min(triton.next_power_of_2(c), 8192 // block_c)),
-        BLOCK_P=triton.next_power_of_2(progs),
-        V=vocab,
-        num_warps=8 if block_r * block_d >= 16384 else 4,  # more rows in flight per program
-    )
+    args, meta = _persistent_launch(state, mask, hidden, lm_head_weight, out, progs)
     grid = (num_tokens, progs)
     if (phased or _interpreting()) and progs > 1:  # the interpreter runs programs in turn: a
         for phase in (1, 2, 3):  # barrier with several programs per token would never open
@@ -921,8 +1125,8 @@ def centroid_argmax_fused(
         return centroid_argmax(hidden, lm_head_weight, mask)
     if path == "auto":
         threshold = CENTROID_MIN_TOKENS if centroid_min_tokens is None else centroid_min_tokens
-        num_tokens, num_centroids = hidden.shape[0], mask.centroids_weight.shape[0]
-        small = num_tokens < threshold and persistent_fits(num_tokens, hidden.device, num_centroids)
+        num_tokens = hidden.shape[0]
+        small = num_tokens < threshold and persistent_fits(mask, hidden, lm_head_weight)
         path = "persistent" if small else "centroid"
     if path == "persistent":
         return centroid_argmax_persistent(mask, hidden, lm_head_weight)
