@@ -2,14 +2,16 @@
 top-k 32, d=256): the fused Triton kernels (dispatcher and each path) vs the torch sparse path
 vs vLLM's in-tree formula vs a full-vocab argmax, side by side in one run.
 
-    .venv/bin/python benchmarks/centroid_argmax.py [--tokens 1,4,16,64,256] [--reps 200]
+    .venv/bin/python benchmarks/centroid_argmax.py [--tokens 1,2,3,4,8,16,32,64,256] [--reps 200]
         [--dtype bfloat16] [--json out.json] [--smoke]
 
 On CUDA every variant is captured in a CUDA graph; before each replay a 256 MiB buffer is
 written (cold L2, outside the timed region) and CUDA events time the replay alone; the median
 of ``--reps`` replays is reported. On CPU (no graphs, few reps; ``--smoke`` shrinks the sizes)
 it only checks that everything runs. "bytes" is each variant's minimal traffic model (below),
-"GB/s" that model divided by the median time.
+"GB/s" that model divided by the median time. "P" is the persistent kernel's programs per
+token at that T (``persistent_programs``: sized by the compiled kernel's occupancy; "-" where
+the variant does not run it, 0 where the persistent path falls back to the centroid path).
 
 Minimal bytes: persistent = centroid weights + T x (top_k x V/C lm_head rows + their int32
 ids); centroid (the centroid-major path) = centroid weights + the rows (and int32 ids) of the
@@ -19,7 +21,8 @@ gathered rows, which the model does not count); ours-scores and ours-select = th
 weights.
 
 Variants: ours-auto (the dispatcher), ours-persistent, ours-centroid (each path forced;
-persistent runs the centroid path where T exceeds the SM count); to see where their time goes:
+persistent runs the centroid path where not even PERSISTENT_MIN_PROGRAMS programs per
+token fit the GPU at once); to see where their time goes:
 ours-3launch (the persistent kernel as three launches, one per phase, no grid barriers),
 ours-scores (the centroid path's first kernel alone), ours-select (its first two: scores and
 rank top-k; the third kernel is ours-centroid minus this), ours-select-w and ours-centroid-w
@@ -48,7 +51,7 @@ from gemma4_spec.ops.centroid_argmax_triton import (
     centroid_argmax_fused,
     centroid_argmax_persistent,
     centroid_scores,
-    persistent_fits,
+    persistent_programs,
     select_centroids_ranked,
     triton_usable,
 )
@@ -114,7 +117,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--tokens", default="1,4,16,64,256")
+    parser.add_argument("--tokens", default="1,2,3,4,8,16,32,64,256")
     parser.add_argument("--reps", type=int, default=None, help="default 200 on CUDA, 3 on CPU")
     parser.add_argument("--smoke", action="store_true", help="small sizes (CPU smoke test)")
     parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
@@ -161,18 +164,20 @@ def main() -> None:
         f"device={device} dtype={args.dtype} V={vocab} C={centroids} top_k={top_k} d={d} "
         f"reps={reps} centroid_min_tokens={CENTROID_MIN_TOKENS}"
     )
-    print(f"{'T':>4} {'variant':<15} {'median us':>10} {'MB':>8} {'GB/s':>8} {'ok':>4}")
+    print(f"{'T':>4} {'variant':<15} {'P':>4} {'median us':>10} {'MB':>8} {'GB/s':>8} {'ok':>4}")
     rows = []
     state = _state_for(mask, vocab) if fused else None
     cw = mask.centroids_weight
     for t in (int(x) for x in args.tokens.split(",")):
         hidden = torch.randn(t, d, generator=gen).to(device, dtype)
         want = centroid_argmax_fp32_reference(hidden, lm_head, mask)
-        small = fused and t < CENTROID_MIN_TOKENS and persistent_fits(t, device, centroids)
-        persistent_bytes = (
-            per_token_bytes(t) if fused and persistent_fits(t, device, centroids)
-            else centroid_bytes(hidden)
-        )  # fmt: skip
+        progs = persistent_programs(mask, hidden, lm_head) if fused else 0
+        small = fused and t < CENTROID_MIN_TOKENS and progs > 0
+        persistent_bytes = per_token_bytes(t) if progs > 0 else centroid_bytes(hidden)
+        # programs per token of the variants that run the persistent kernel
+        runs_persistent = {"ours-persistent": progs, "ours-3launch": progs}
+        if small:
+            runs_persistent["ours-auto"] = progs
         auto_bytes = per_token_bytes(t) if small else centroid_bytes(hidden)
         variants: list[tuple[str, Callable[[], torch.Tensor], int]] = [
             ("ours-auto", lambda h=hidden: centroid_argmax_fused(mask, h, lm_head), auto_bytes),
@@ -245,11 +250,16 @@ def main() -> None:
             no_check = name in ("ours-scores", "ours-select", "ours-select-w", "graph-floor")
             agree = float("nan") if no_check else (fn() == want).float().mean().item()
             gbps = nbytes / (us * 1e-6) / 1e9
-            print(f"{t:>4} {name:<15} {us:>10.1f} {nbytes / 1e6:>8.1f} {gbps:>8.0f} {agree:>4.2f}")
+            p = runs_persistent.get(name)
+            print(
+                f"{t:>4} {name:<15} {'-' if p is None else p:>4} {us:>10.1f} "
+                f"{nbytes / 1e6:>8.1f} {gbps:>8.0f} {agree:>4.2f}"
+            )
             rows.append(
                 {
                     "tokens": t,
                     "variant": name,
+                    "programs_per_token": p,
                     "median_us": us,
                     "bytes": nbytes,
                     "gb_per_s": gbps,
