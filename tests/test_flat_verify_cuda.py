@@ -72,5 +72,7 @@ def test_flat_queries_give_the_same_attention(batch, head_dim, block_size, windo
     got = _attention(q, key_cache, value_cache, flat[0], 1, flat[1], flat[2], window)
 
     real = batch * q_len
-    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    # vLLM's kernel multiplies float32 in TF32 (tl.dot's default), and the two kernels tile
+    # the keys differently: float32 results agree to TF32 rounding, not bit for bit.
+    tol = 1e-3 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[:real].float(), want[:real].float(), atol=tol, rtol=tol)

@@ -139,6 +139,17 @@ def test_disabled_where_capture_and_replay_could_differ(vllm_026: None, override
     assert patch_triton_attn._make_flat_verify(_builder(**override)) is None
 
 
+def test_enabled_when_vllm_renames_the_method_mtp(vllm_026: None) -> None:
+    # vLLM 0.26 rewrites method "gemma4_mtp" to "mtp"; use_gemma4_mtp() tells them apart.
+    builder = _builder()
+    spec = builder.vllm_config.speculative_config
+    spec.method = "mtp"
+    spec.use_gemma4_mtp = lambda: True
+    assert patch_triton_attn._make_flat_verify(builder) is not None
+    spec.use_gemma4_mtp = lambda: False
+    assert patch_triton_attn._make_flat_verify(builder) is None
+
+
 def test_disabled_by_environment(vllm_026: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FLAT_VERIFY_ENV, "0")
     assert patch_triton_attn._make_flat_verify(_builder()) is None

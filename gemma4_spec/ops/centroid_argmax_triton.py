@@ -48,7 +48,7 @@ so the work spreads over many programs, and a picked centroid writes itself to `
      whatever T). Per (token, rank, split) partial maxima; the program bringing a token's
      last partial reduces them.
 
-``path="auto"`` takes the persistent kernel below ``CENTROID_MIN_TOKENS`` tokens (default 3,
+``path="auto"`` takes the persistent kernel below ``CENTROID_MIN_TOKENS`` tokens (default 5,
 environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``centroid_min_tokens``
 argument) when its grid fits the GPU, and the centroid-major path otherwise. H200, bf16, real
 E2B dims (V 262144, C 2048, top-k 32, d 256), CUDA graphs, cold L2, median us, persistent /
@@ -106,9 +106,10 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 # At or above this many tokens "auto" uses the centroid-major path, below it the persistent
 # kernel: that one reads top_k * V / C rows (2 MiB in bf16 at E2B dims) per token in one launch,
 # the centroid-major one each picked centroid's rows once for all tokens (the union of the
-# picks, at most the whole lm_head) in three. 3 from the H200 timings in the module docstring.
+# picks, at most the whole lm_head) in three. 5 from the H200 timings of bbd1708 (T = 3 / 4:
+# persistent 23.1 / 25.3 us with P = 128, centroid path 25.2 / 32.6).
 # Tunable with GEMMA4_SPEC_DENSE_MIN_TOKENS (its name from when the larger-T path was "dense").
-CENTROID_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "3"))
+CENTROID_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "5"))
 
 
 def _interpreting() -> bool:

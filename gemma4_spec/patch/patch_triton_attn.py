@@ -33,10 +33,10 @@ from typing import Any
 
 from gemma4_spec.compat import flat_verify_supported
 from gemma4_spec.log import get_logger
+from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
 
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
-GEMMA4_MTP = "gemma4_mtp"
 
 logger = get_logger(__name__)
 _logged = False
@@ -121,7 +121,7 @@ def _make_flat_verify(builder: Any) -> FlatVerify | None:
         os.environ.get(FLAT_VERIFY_ENV, "1") == "0"
         or builder.device.type != "cuda"
         or spec is None
-        or spec.method != GEMMA4_MTP
+        or not drafts_with_gemma4_mtp(config)  # vLLM renames the method "mtp"
         or not flat_verify_supported()
         or config.compilation_config.cudagraph_mode.mixed_mode() == CUDAGraphMode.FULL
         or getattr(parallel, "decode_context_parallel_size", 1) > 1
