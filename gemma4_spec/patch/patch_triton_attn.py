@@ -17,7 +17,8 @@ Only where the rewrite is the same at CUDA-graph capture and at replay: the deci
 on the number of tokens (the graph's key) and ``max_query_len``; full graphs for mixed batches
 (``cudagraph_mode`` FULL) would be captured with one ``max_query_len`` and replayed with
 another, so that mode turns it off. Also off for: CPU, other speculative methods, more tokens
-than the decode kernel takes (``seq_threshold_3D``), cascade attention, multimodal prefix
+than the decode kernel takes (``seq_threshold_3D``) or than ``FLAT_VERIFY_MAX_TOKENS`` (where
+the split no longer pays), cascade attention, multimodal prefix
 ranges, rolling sliding windows, decode context parallelism, micro-batching, KV-sharing fast
 prefill (its metadata derives logits indices from the query layout), vLLM versions
 other than ``compat.FLAT_VERIFY_VLLM``, and with ``GEMMA4_SPEC_FLAT_VERIFY=0``.
@@ -37,6 +38,11 @@ from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
 
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
+# Up to this many query tokens a verification batch goes to the decode kernel. H200, one E2B-like
+# layer, k = 2 (benchmarks/verify_attention.py): as one-token sequences 15-21 us vs vLLM's 26-33
+# at 3 and 24 tokens, but 31-45 vs 28-33 at 96 tokens with short contexts. Tunable with
+# GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
+FLAT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "64"))
 
 logger = get_logger(__name__)
 _logged = False
@@ -132,7 +138,8 @@ def _make_flat_verify(builder: Any) -> FlatVerify | None:
         or not getattr(builder, "seq_threshold_3D", 0)
     ):
         return None
-    return FlatVerify(1 + spec.num_speculative_tokens, builder.seq_threshold_3D)
+    capacity = min(builder.seq_threshold_3D, FLAT_VERIFY_MAX_TOKENS)
+    return FlatVerify(1 + spec.num_speculative_tokens, capacity)
 
 
 def _log_once() -> None:
