@@ -80,8 +80,9 @@ def main() -> None:
 def _totals(table: Any) -> dict[str, tuple[float, float, float, float, float]]:
     """name -> (calls, CPU total us, self CPU us, self device us, 1 if a device event (a
     kernel, copy or memset on the GPU) else 0), from key_averages()."""
+    # A scope appears twice (its CPU range and its GPU annotation): keep both, apart.
     return {
-        row.key: (
+        row.key + (" [gpu]" if str(getattr(row, "device_type", "")).endswith("CUDA") else ""): (
             float(row.count),
             float(row.cpu_time_total),
             float(row.self_cpu_time_total),
@@ -105,9 +106,13 @@ def _print_step_summary(per_step: dict[str, tuple[float, ...]]) -> None:
     for name in sorted(per_step):
         calls, cpu_total = per_step[name][:2]
         if name.startswith(SCOPES) and calls > 0:
-            print(f"  {name:45s} {cpu_total:9.1f} us CPU   ({calls:.2f} calls)")
-    busy = sum(row[3] for row in per_step.values() if row[4] > 0)
-    kernels = sum(row[0] for row in per_step.values() if row[4] > 0)
+            if name.endswith(" [gpu]"):  # from its first to its last kernel, gaps included
+                print(f"  {name:45s} {per_step[name][3]:9.1f} us GPU span")
+            else:
+                print(f"  {name:45s} {cpu_total:9.1f} us CPU   ({calls:.2f} calls)")
+    device = {n: row for n, row in per_step.items() if row[4] > 0 and not n.startswith(SCOPES)}
+    busy = sum(row[3] for row in device.values())
+    kernels = sum(row[0] for row in device.values())
     print(f"  GPU busy (device events)                    {busy:9.1f} us ({kernels:.1f} events)")
     for names, what in ((LAUNCHES, "launches"), (SYNCS, "host syncs")):
         for name in names:
