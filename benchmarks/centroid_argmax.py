@@ -25,9 +25,7 @@ persistent runs the centroid path where not even PERSISTENT_MIN_PROGRAMS program
 token fit the GPU at once); to see where their time goes:
 ours-3launch (the persistent kernel as three launches, one per phase, no grid barriers),
 ours-scores (the centroid path's first kernel alone), ours-select (its first two: scores and
-rank top-k; the third kernel is ours-centroid minus this), ours-select-w and ours-centroid-w
-(the same with the wide top-k: C / SELECT_WIDE_BLOCK programs per token, off by default until
-these rows say it wins: GEMMA4_SPEC_WIDE_SELECT_MAX_TOKENS); then torch-sparse, in-tree,
+rank top-k; the third kernel is ours-centroid minus this); then torch-sparse, in-tree,
 full-vocab, graph-floor (a graph of one trivial kernel: the harness's own floor).
 ``--variants a,b`` times only those.
 """
@@ -46,7 +44,6 @@ from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax
 from gemma4_spec.ops.centroid_argmax_triton import (
     CENTROID_MIN_TOKENS,
     _state_for,
-    centroid_argmax_centroid_major,
     centroid_argmax_fp32_reference,
     centroid_argmax_fused,
     centroid_argmax_persistent,
@@ -222,20 +219,8 @@ def main() -> None:
                 ),
                 (  # its first two kernels: scores, then the rank top-k
                     "ours-select",
-                    lambda h=hidden: select_centroids_ranked(state, h, cw, wide=False)[0],
+                    lambda h=hidden: select_centroids_ranked(state, h, cw)[0],
                     centroids * d * es,
-                ),
-                (  # the same with the wide top-k (C / SELECT_WIDE_BLOCK programs per token)
-                    "ours-select-w",
-                    lambda h=hidden: select_centroids_ranked(state, h, cw, wide=True)[0],
-                    centroids * d * es,
-                ),
-                (  # the centroid path with the wide top-k
-                    "ours-centroid-w",
-                    lambda h=hidden: centroid_argmax_centroid_major(
-                        mask, h, lm_head, wide_select=True
-                    ),
-                    centroid_bytes(hidden),
                 ),
             ]
         if args.variants:
@@ -247,7 +232,7 @@ def main() -> None:
             except Exception as exc:  # e.g. a variant that cannot be captured
                 print(f"{t:>4} {name:<15} failed: {type(exc).__name__}: {exc}"[:200])
                 continue
-            no_check = name in ("ours-scores", "ours-select", "ours-select-w", "graph-floor")
+            no_check = name in ("ours-scores", "ours-select", "graph-floor")
             agree = float("nan") if no_check else (fn() == want).float().mean().item()
             gbps = nbytes / (us * 1e-6) / 1e9
             p = runs_persistent.get(name)

@@ -69,11 +69,6 @@ def test_centroid_path_kernels_compile() -> None:
     )  # fmt: skip
     _compile(m._select_rank_kernel, dict(BLOCK_ALL_C=2048, GROUPS=32, BLOCK_I=m.SELECT_BLOCK_I), 8)
     _compile(
-        m._select_rank_wide_kernel,
-        dict(BLOCK_ALL_C=2048, GROUPS=32, BLOCK_OWN=m.SELECT_WIDE_BLOCK,
-             CHUNK=8192 // m.SELECT_WIDE_BLOCK),
-    )  # fmt: skip
-    _compile(
         m._centroid_argmax_kernel,
         dict(SPLIT=m.CENTROID_SPLIT, ROWS=128 // m.CENTROID_SPLIT, BLOCK_T=m.CENTROID_BLOCK_T,
              BLOCK_R=min(m.CENTROID_BLOCK_R, 128 // m.CENTROID_SPLIT),

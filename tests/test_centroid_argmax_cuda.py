@@ -27,7 +27,6 @@ from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax
 from gemma4_spec.ops.centroid_argmax_triton import (
     HAS_TRITON,
     _state_for,
-    centroid_argmax_centroid_major,
     centroid_argmax_fp32_reference,
     centroid_argmax_fused,
     largest_resident_programs,
@@ -281,12 +280,6 @@ def test_rank_select_matches_stable_sort() -> None:
 
 
 @needs_cuda
-@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64])
-def test_wide_select_path_matches_reference(num_tokens: int) -> None:
-    _check_wide_select_path(REAL, "cuda", num_tokens)
-
-
-@needs_cuda
 def test_counters_reset_after_every_path() -> None:
     _check_counters_reset("cuda")
 
@@ -388,9 +381,9 @@ def _interpreter_checks(group: str = "paths") -> None:
     for path in FORCED:
         _check_random(TINY, torch.float32, "cpu", 17, path)
     # Several row blocks per program (V / C > 128) and several token blocks.
-    wide = {"vocab": 2048, "centroids": 8, "top_k": 3, "d": 32}
+    long_rows = {"vocab": 2048, "centroids": 8, "top_k": 3, "d": 32}
     for path in FORCED:
-        _check_random(wide, torch.float32, "cpu", 70, path)
+        _check_random(long_rows, torch.float32, "cpu", 70, path)
 
 
 def _interpreter_special_checks() -> None:
@@ -402,7 +395,6 @@ def _interpreter_special_checks() -> None:
             _check_all_suppressed(ODD, dtype, "cpu", path)
     _check_random(ODD, torch.float32, "cpu", 40, "centroid")  # several picks per centroid
     _check_rank_select("cpu")
-    _check_wide_select_path(ODD, "cpu", 5)
     _check_counters_reset("cpu")
 
 
@@ -441,33 +433,19 @@ def _check_rank_select(device: str) -> None:
         vocab = num_centroids * 2
         mask = CentroidMask(cw, torch.randperm(vocab, generator=gen).to(device), top_k)
         state = prepare_fused_centroid_argmax(mask, vocab)
-        for wide in (False, True):  # one program per token, or C / SELECT_WIDE_BLOCK
-            sel, count, picks = select_centroids_ranked(state, hidden, cw, wide=wide)
-            want = select_centroids_reference(hidden @ cw.t(), top_k)
-            got = torch.zeros_like(want)
-            got.scatter_(1, sel.long(), True)
-            assert torch.equal(got, want), (num_centroids, wide)
-            # sel is in rank order: scores descending, ties by centroid index.
-            order = torch.sort(hidden @ cw.t(), dim=1, descending=True, stable=True).indices
-            assert torch.equal(sel.long(), order[:, :top_k])
-            assert torch.equal(count.long(), want.sum(0))
-            for c in range(num_centroids):
-                entries = picks[c, : int(count[c])].long()
-                tokens, ranks = entries // top_k, entries % top_k
-                assert torch.equal(sel[tokens, ranks].long(), torch.full_like(tokens, c))
-
-
-def _check_wide_select_path(cfg: dict, device: str, num_tokens: int) -> None:
-    """The centroid path with the wide (many programs per token) top-k gives the reference's
-    tokens, random and all-tied inputs alike."""
-    for dtype in (torch.float32, torch.bfloat16):
-        lm_head, mask = _make(**cfg, dtype=dtype, device=device, seed=71)
-        hidden = _hidden(num_tokens, cfg["d"], dtype, device, seed=72)
-        got = centroid_argmax_centroid_major(mask, hidden, lm_head, wide_select=True)
-        _assert_tokens(got, hidden, lm_head, mask)
-        flat = torch.zeros_like(hidden)
-        got = centroid_argmax_centroid_major(mask, flat, lm_head, wide_select=True)
-        assert torch.equal(got, centroid_argmax_fp32_reference(flat, lm_head, mask))
+        sel, count, picks = select_centroids_ranked(state, hidden, cw)
+        want = select_centroids_reference(hidden @ cw.t(), top_k)
+        got = torch.zeros_like(want)
+        got.scatter_(1, sel.long(), True)
+        assert torch.equal(got, want), num_centroids
+        # sel is in rank order: scores descending, ties by centroid index.
+        order = torch.sort(hidden @ cw.t(), dim=1, descending=True, stable=True).indices
+        assert torch.equal(sel.long(), order[:, :top_k])
+        assert torch.equal(count.long(), want.sum(0))
+        for c in range(num_centroids):
+            entries = picks[c, : int(count[c])].long()
+            tokens, ranks = entries // top_k, entries % top_k
+            assert torch.equal(sel[tokens, ranks].long(), torch.full_like(tokens, c))
 
 
 def _check_score_ties(device: str) -> None:

@@ -36,11 +36,6 @@ so the work spreads over many programs, and a picked centroid writes itself to `
      the ``top_k``-th score from below, so only the scores at or above it can be picked; those
      (a few percent, on real data) are compacted and ranked among themselves. Each pick is
      appended (atomic count) to its centroid's list ``picks[c]`` as ``t * top_k + rank``.
-     Alternative, ``_select_rank_wide_kernel``, grid ``(T, C / SELECT_WIDE_BLOCK)``: each
-     program ranks only its own block of centroids against all ``C`` scores (skipping blocks
-     below the bound), so a small T still fills the GPU; used below
-     ``SELECT_WIDE_MAX_TOKENS`` tokens (``GEMMA4_SPEC_WIDE_SELECT_MAX_TOKENS``), 0 until a GPU
-     run shows where it wins (the select kernel took ~21 us at every T up to 16 on the H200).
   3. ``_centroid_argmax_kernel``, grid ``(C, CENTROID_SPLIT)``: a program reads its part of
      one centroid's ``V / C`` lm_head rows (nothing if no token picked it) and ``tl.dot``s
      them with the hidden states of just the tokens in the centroid's list, 16 at a time, so
@@ -50,19 +45,25 @@ so the work spreads over many programs, and a picked centroid writes itself to `
 
 ``path="auto"`` takes the persistent kernel below ``CENTROID_MIN_TOKENS`` tokens (default 5,
 environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``centroid_min_tokens``
-argument) when its grid fits the GPU, and the centroid-major path otherwise. H200, bf16, real
-E2B dims (V 262144, C 2048, top-k 32, d 256), CUDA graphs, cold L2, median us, persistent /
-centroid: T=1 18.0 / 30.8, T=2 24.9 / 31.7, T=4 38.1 / 32.9, T=8 57.6 / 35.3, T=16 77.8 / 42.6,
-T=64 372 / 79 (vLLM's in-tree formula 52 to 996, a full-vocab argmax 55 to 166). Those
-persistent figures are from the older sizing (one program per SM, P = 128 / 64 / 32 / 16 / 8)
-and phase 2 (every program ranked all its centroids); the occupancy sizing and the bounded
-phase 2 are not yet measured on a GPU (``benchmarks/centroid_argmax.py`` prints the P chosen
-per T). Compiled for sm_90 (Triton 3.9, without a GPU), the kernel at the real dims takes 162
-registers a thread at P = 128 (4 warps: 3 programs per SM) and 255 with spills at P <= 64 (8
-warps: 1 per SM), so the new sizing can only raise P where P = 128 fits (T <= 3). Two older
-paths (a radix top-k followed by a per-token gather-argmax or a per-token-block dense argmax)
-never beat these two and were removed. Block sizes, programs per token and row splits are the module
-constants ``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and ``CENTROID_*``.
+argument) when its grid fits the GPU, and the centroid-major path otherwise.
+
+H200 (``benchmarks/results/h200/centroid_argmax-bbd1708.json``), bf16, real E2B dims (V 262144,
+C 2048, top-k 32, d 256), CUDA graphs, cold L2, median us, persistent with its P / centroid
+path: T=1 18.3 (128) / 30.4, T=2 20.4 (128) / 31.5, T=3 23.1 (128) / 25.2, T=4 25.3 (128) /
+32.6, T=8 57.6 (16) / 35.8, T=16 78.1 (8) / 42.0; from T=32 P would be below
+``PERSISTENT_MIN_PROGRAMS`` and the centroid path runs (T=32 64.0, T=64 67.2, T=256 100.0).
+vLLM's in-tree formula takes 50.6 to 998.0 over T=1..256, a full-vocab argmax 55.0 to 165.3.
+Hence the switch at 5 (that run's dispatcher still switched at 3). The persistent kernel as
+three launches without barriers (``phased``) took 18.7 at T=1 vs 18.3 in one launch: the grid
+barriers cost little, the time is in the phases themselves. On the centroid path the scores
+kernel alone takes 6.8 (a graph of one trivial kernel: ~4.9), scores + rank top-k 20.6 (T=1).
+The CUDA tests pass on the H200 with the occupancy sizing (244 passed,
+``test_kernels_cuda-bbd1708.log``). Two older paths (a radix top-k followed by a per-token
+gather-argmax or a per-token-block dense argmax) never beat these two and were removed, as was
+a top-k with ``C / 32`` programs per token (never faster than one program per token, from T=1
+to 256, e.g. 20.9 vs 20.6 at T=1 and 50.9 vs 20.9 at T=16). Block sizes, programs per token
+and row splits are the module constants ``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and
+``CENTROID_*``.
 
 Caveats: the persistent kernel's barriers assume all its programs are resident together; a
 kernel running concurrently on another stream that holds SMs until this one finishes could
@@ -572,41 +573,6 @@ if HAS_TRITON:
             _append_picks(t, rank, idx_i, chosen, sel_ptr, count_ptr, pick_ptr, T, K)
 
     @triton.jit
-    def _select_rank_wide_kernel(
-        scores_ptr,  # [T, C] fp32
-        sel_ptr,  # [T, K] int32 out: selected centroid of each rank
-        count_ptr,  # [C] int32, zero on entry: how many tokens picked each centroid
-        pick_ptr,  # [C, T] int32 out: the picks of each centroid, as t * K + rank
-        T,
-        C,
-        K,
-        BLOCK_ALL_C: tl.constexpr,
-        GROUPS: tl.constexpr,  # a power of two >= K
-        BLOCK_OWN: tl.constexpr,
-        CHUNK: tl.constexpr,
-    ):
-        """The same picks as ``_select_rank_kernel`` from ``C / BLOCK_OWN`` programs per
-        token: each ranks only its own block of centroids, against all ``C`` scores, after
-        skipping blocks with no score at or above the group-maxima bound (none of them can be
-        picked). For small T, where one program per token leaves most of the GPU idle."""
-        t = tl.program_id(0)
-        b = tl.program_id(1)
-        offs = tl.arange(0, BLOCK_ALL_C)
-        bound = _pick_bound(
-            _score_keys(scores_ptr + t * C, offs, offs < C, ""), BLOCK_ALL_C, GROUPS
-        )
-        own = b * BLOCK_OWN + tl.arange(0, BLOCK_OWN)
-        own_ok = own < C
-        own_key = _score_keys(scores_ptr + t * C, own, own_ok, "")
-        maybe = own_ok & (own_key >= bound)
-        if tl.max(maybe.to(tl.int32), axis=0) > 0:
-            rank = _rank_block(
-                own_key, own, scores_ptr + t * C, scores_ptr, C, BLOCK_OWN, CHUNK, True, True
-            )
-            chosen = maybe & (rank < K)
-            _append_picks(t, rank, own, chosen, sel_ptr, count_ptr, pick_ptr, T, K)
-
-    @triton.jit
     def _centroid_argmax_kernel(
         h_ptr,  # [T, D]
         w_ptr,  # [V, D]
@@ -707,11 +673,6 @@ PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T g
 SCORES_MAX_BLOCK_T = 64
 SCORES_DOT_BLOCK_C = 64
 SELECT_BLOCK_I = 128
-# Below this many tokens, the centroid path's top-k runs C / SELECT_WIDE_BLOCK programs per
-# token (``_select_rank_wide_kernel``) instead of one. 0 (off) until measured on a GPU:
-# the benchmark times both (ours-select vs ours-select-w). GEMMA4_SPEC_WIDE_SELECT_MAX_TOKENS.
-SELECT_WIDE_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_WIDE_SELECT_MAX_TOKENS", "0"))
-SELECT_WIDE_BLOCK = 32
 CENTROID_SPLIT = 2
 CENTROID_BLOCK_T = 16
 CENTROID_BLOCK_R = 64
@@ -1018,11 +979,9 @@ def select_centroids_ranked(
     state: FusedCentroidState,
     hidden: torch.Tensor,
     centroids_weight: torch.Tensor,
-    wide: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernels 1 and 2 of the centroid-major path: fp32 scores (``centroid_scores``), then
-    each token's top-k by rank: one program per token, or with ``wide`` (default: fewer than
-    ``SELECT_WIDE_MAX_TOKENS`` tokens) ``C / SELECT_WIDE_BLOCK`` programs per token. Returns
+    each token's top-k by rank (``_select_rank_kernel``, one program per token). Returns
     (sel [T, K] int32: the centroid of each rank, count [C] int32: how many tokens picked each
     centroid, picks [C, T] int32: the first ``count[c]`` entries of row c are ``t * K + rank``
     of the tokens that picked c, in no particular order)."""
@@ -1034,16 +993,6 @@ def select_centroids_ranked(
     sel = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
     all_c = triton.next_power_of_2(c)
     groups = triton.next_power_of_2(k)
-    if wide is None:
-        wide = num_tokens < SELECT_WIDE_MAX_TOKENS
-    if wide:
-        block_own = min(SELECT_WIDE_BLOCK, all_c)
-        _select_rank_wide_kernel[(num_tokens, triton.cdiv(c, block_own))](
-            scores, sel, count, picks, num_tokens, c, k,
-            BLOCK_ALL_C=all_c, GROUPS=groups, BLOCK_OWN=block_own,
-            CHUNK=max(16, min(all_c, 8192 // block_own)), num_warps=4,
-        )  # fmt: skip
-        return sel, count, picks
     cand_idx = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
     cand_key = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
     _select_rank_kernel[(num_tokens,)](
@@ -1059,13 +1008,12 @@ def centroid_argmax_centroid_major(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
     state: FusedCentroidState | None = None,
-    wide_select: bool | None = None,
 ) -> torch.Tensor:
-    """Larger-T path: scores (``tl.dot``), rank top-k (``wide_select``: see
-    ``select_centroids_ranked``), then one program per (centroid, row
-    split) that reads its rows once, only if some token picked the centroid, and scores them
-    for just those tokens; per (token, pick, split) partials reduced by the last contributor.
-    The lm_head traffic is the union of all tokens' picks, at most the whole lm_head once."""
+    """Larger-T path: scores (``tl.dot``), rank top-k (``select_centroids_ranked``), then one
+    program per (centroid, row split) that reads its rows once, only if some token picked the
+    centroid, and scores them for just those tokens; per (token, pick, split) partials reduced
+    by the last contributor. The lm_head traffic is the union of all tokens' picks, at most
+    the whole lm_head once."""
     _check(mask, hidden, lm_head_weight)
     vocab = lm_head_weight.shape[0]
     state = state or _state_for(mask, vocab)
@@ -1074,9 +1022,7 @@ def centroid_argmax_centroid_major(
     if num_tokens == 0:
         return out
     state.ensure_capacity(num_tokens)
-    _, count, picks = select_centroids_ranked(
-        state, hidden, mask.centroids_weight, wide=wide_select
-    )
+    _, count, picks = select_centroids_ranked(state, hidden, mask.centroids_weight)
     k, c = state.top_k, state.num_centroids
     tpc = vocab // c
     split = max(1, min(CENTROID_SPLIT, tpc // 16))
