@@ -61,6 +61,13 @@ def configurations(ks: list[int]) -> dict[str, dict[str, Any]]:
     for k in ks:
         configs[f"in-tree k={k} (V2)"] = {"env": {"VLLM_PLUGINS": "none"}, "k": k}
         configs[f"ours k={k} (V1)"] = {"env": {}, "k": k}
+    # Ours with vLLM's own verification attention (patch_triton_attn off): what the rewrite
+    # gives end to end. Last, so the engines above keep their compile-cache indices.
+    for k in ks:
+        configs[f"ours k={k} (V1, vLLM verify attn)"] = {
+            "env": {"GEMMA4_SPEC_FLAT_VERIFY": "0"},
+            "k": k,
+        }
     return configs
 
 
