@@ -24,15 +24,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from centroid_argmax import _time_cuda  # noqa: E402
 
 from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries  # noqa: E402
+from gemma4_spec.testing.triton_attention import THRESHOLD_3D, PagedAttention  # noqa: E402
 
-THRESHOLD_3D = 128  # what vLLM's Triton builder picks for one KV head
-SEGMENTS = 16
 HEADS, KV_HEADS, BLOCK = 8, 1, 16
 LAYERS = {"sliding-256": (256, 512), "full-512": (512, 0)}
 
 
 def _measure(
-    attention, head_dim: int, window: int, context: int, batch: int, q_len: int, reps: int,
+    head_dim: int, window: int, context: int, batch: int, q_len: int, reps: int,
     flush: torch.Tensor,
 ) -> dict[str, float]:  # fmt: skip
     """us of the three variants for one layer shape."""
@@ -40,25 +39,10 @@ def _measure(
     blocks = (context + q_len + BLOCK - 1) // BLOCK
     cache = torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, head_dim, device=device).bfloat16()
     table = (torch.arange(batch * blocks, device=device) + 1).view(batch, blocks).int()
-    segm = dict(
-        seq_threshold_3D=THRESHOLD_3D,
-        num_par_softmax_segments=SEGMENTS,
-        softmax_segm_output=torch.empty(THRESHOLD_3D, HEADS, SEGMENTS, head_dim, device=device),
-        softmax_segm_max=torch.empty(THRESHOLD_3D, HEADS, SEGMENTS, device=device),
-        softmax_segm_expsum=torch.empty(THRESHOLD_3D, HEADS, SEGMENTS, device=device),
-    )
-    scale = torch.ones(1, device=device).expand(THRESHOLD_3D, KV_HEADS)
+    attention = PagedAttention(cache, cache, HEADS, window)
 
     def attend(q, starts, max_q, seq_lens, block_table):  # type: ignore[no-untyped-def]
-        out = torch.empty_like(q)
-        attention(
-            q=q, k=cache, v=cache, out=out, cu_seqlens_q=starts, max_seqlen_q=max_q,
-            seqused_k=seq_lens, max_seqlen_k=context + q_len, softmax_scale=head_dim**-0.5,
-            causal=True, window_size=(window - 1, 0) if window else (-1, -1),
-            block_table=block_table, softcap=0, q_descale=None,
-            k_descale=scale[: seq_lens.shape[0]], v_descale=scale[: seq_lens.shape[0]], **segm,
-        )  # fmt: skip
-        return out
+        return attention(q, starts, max_q, seq_lens, block_table, context + q_len)
 
     verify_q = torch.randn(batch * q_len, HEADS, head_dim, device=device).bfloat16()
     starts = (torch.arange(batch + 1, device=device) * q_len).int()
@@ -82,8 +66,6 @@ def _measure(
 
 
 def main() -> None:
-    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", default="1,8,32")
     parser.add_argument("--context", default="256,2048")
@@ -97,10 +79,7 @@ def main() -> None:
     for name, (head_dim, window) in LAYERS.items():
         for context in (int(c) for c in args.context.split(",")):
             for batch in (int(b) for b in args.batch.split(",")):
-                times = _measure(
-                    unified_attention, head_dim, window, context, batch, 1 + args.k, args.reps,
-                    flush,
-                )  # fmt: skip
+                times = _measure(head_dim, window, context, batch, 1 + args.k, args.reps, flush)
                 print(
                     f"{name:12s} {batch:3d} {context:5d} {times['vllm_2d']:8.1f} "
                     f"{times['flat_3d']:8.1f} {times['decode']:8.1f}",

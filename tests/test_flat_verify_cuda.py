@@ -11,35 +11,9 @@ from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
-unified = pytest.importorskip("vllm.v1.attention.ops.triton_unified_attention")
+pytest.importorskip("vllm.v1.attention.ops.triton_unified_attention")
 
-THRESHOLD_3D = 128
-SEGMENTS = 16
-
-
-def _attention(q, key_cache, value_cache, starts, max_q, seq_lens, table, window):
-    heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = key_cache.shape[2]
-    padded = triton_next_pow2(head_dim)
-    out = torch.full_like(q, float("nan"))
-    scale = torch.ones(1, device=q.device).expand(seq_lens.shape[0], kv_heads)
-    unified.unified_attention(
-        q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=starts, max_seqlen_q=max_q,
-        seqused_k=seq_lens, max_seqlen_k=int(seq_lens.max()), softmax_scale=head_dim**-0.5,
-        causal=True, window_size=(window - 1, 0) if window else (-1, -1), block_table=table,
-        softcap=0, q_descale=None, k_descale=scale, v_descale=scale,
-        seq_threshold_3D=THRESHOLD_3D, num_par_softmax_segments=SEGMENTS,
-        softmax_segm_output=torch.empty(
-            THRESHOLD_3D, heads, SEGMENTS, padded, dtype=torch.float32, device=q.device
-        ),
-        softmax_segm_max=torch.empty(THRESHOLD_3D, heads, SEGMENTS, device=q.device),
-        softmax_segm_expsum=torch.empty(THRESHOLD_3D, heads, SEGMENTS, device=q.device),
-    )  # fmt: skip
-    return out
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+from gemma4_spec.testing.triton_attention import THRESHOLD_3D, PagedAttention  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,10 +40,12 @@ def test_flat_queries_give_the_same_attention(batch, head_dim, block_size, windo
     value_cache = torch.randn_like(key_cache)
     q = torch.randn(num_tokens, heads, head_dim, device=device).to(dtype)
 
-    want = _attention(q, key_cache, value_cache, starts, q_len, seq_lens, table, window)
+    attention = PagedAttention(key_cache, value_cache, heads, window)
+    longest = int(seq_lens.max())
+    want = attention(q, starts, q_len, seq_lens, table, longest, torch.full_like(q, float("nan")))
     buffers = FlatQueryBuffers(THRESHOLD_3D, blocks_per_req, device)
     flat = flatten_queries(starts, seq_lens, table, num_tokens, buffers)
-    got = _attention(q, key_cache, value_cache, flat[0], 1, flat[1], flat[2], window)
+    got = attention(q, flat[0], 1, flat[1], flat[2], longest, torch.full_like(q, float("nan")))
 
     real = batch * q_len
     # vLLM's kernel multiplies float32 in TF32 (tl.dot's default), and the two kernels tile
