@@ -183,8 +183,10 @@ def test_apply_wraps_build_once_and_rewrites_verification_batches(vllm_026: None
     builder = Builder()
     # CPU builders are left alone...
     assert builder.build(0, _common(3, 9)).max_query_len == 3
+    assert patch_triton_attn.rewrites_of(builder) == 0
     # ...a CUDA one (here with CPU tensors) is rewritten, called either way.
     builder = Builder()
     builder.device = torch.device("cuda")
     assert builder.build(0, _common(3, 9)).max_query_len == 1
     assert builder.build(common_prefix_len=0, common_attn_metadata=_common(3, 9)).max_query_len == 1
+    assert patch_triton_attn.rewrites_of(builder) == 2

@@ -110,11 +110,21 @@ class FlatVerify:
         return metadata
 
 
+# Attribute of a builder holding its FlatVerify (or None: the rewrite is off for it).
+_STATE = "_gemma4_spec_flat_verify"
+
+
 def _flat_verify_of(builder: Any) -> FlatVerify | None:
     """The builder's ``FlatVerify``, or None where the rewrite is off (decided once)."""
-    if "_gemma4_spec_flat" not in builder.__dict__:
-        builder._gemma4_spec_flat = _make_flat_verify(builder)
-    return builder._gemma4_spec_flat
+    if _STATE not in vars(builder):
+        setattr(builder, _STATE, _make_flat_verify(builder))
+    return vars(builder)[_STATE]
+
+
+def rewrites_of(builder: Any) -> int:
+    """How many of this builder's builds were rewritten (0 if it never built or is off)."""
+    flat = vars(builder).get(_STATE)
+    return 0 if flat is None else flat.rewrites
 
 
 def _make_flat_verify(builder: Any) -> FlatVerify | None:

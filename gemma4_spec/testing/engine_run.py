@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gemma4_spec.metrics import Acceptance, spec_metrics
+from gemma4_spec.patch.patch_triton_attn import rewrites_of
 
 # Values of RunResult.proposer_class: this plugin's proposer, and vLLM's own.
 PLUGIN_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
@@ -155,7 +156,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "draft_loop_graphs": [] if loops is None else loops.captured,
         "draft_loop_graphs_off": None if loops is None else loops.disabled,
         "flat_verify_rewrites": sum(
-            getattr(vars(builder).get("_gemma4_spec_flat"), "rewrites", 0)
+            rewrites_of(builder)
             for groups in getattr(runner, "attn_groups", None) or []
             for group in groups
             for builder in group.metadata_builders
