@@ -913,11 +913,6 @@ def persistent_programs(
     return progs
 
 
-def persistent_fits(mask: CentroidMask, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> bool:
-    """Whether the persistent (single launch) kernel can run these inputs."""
-    return persistent_programs(mask, hidden, lm_head_weight) > 0
-
-
 def centroid_argmax_persistent(
     mask: CentroidMask,
     hidden: torch.Tensor,
@@ -1072,9 +1067,8 @@ def centroid_argmax_fused(
         return centroid_argmax(hidden, lm_head_weight, mask)
     if path == "auto":
         threshold = CENTROID_MIN_TOKENS if centroid_min_tokens is None else centroid_min_tokens
-        num_tokens = hidden.shape[0]
-        small = num_tokens < threshold and persistent_fits(mask, hidden, lm_head_weight)
-        path = "persistent" if small else "centroid"
+        # The persistent path itself runs the centroid-major one when its grid does not fit.
+        path = "persistent" if hidden.shape[0] < threshold else "centroid"
     if path == "persistent":
         return centroid_argmax_persistent(mask, hidden, lm_head_weight)
     return centroid_argmax_centroid_major(mask, hidden, lm_head_weight)
