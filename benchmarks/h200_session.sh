@@ -13,8 +13,10 @@
 #               vLLM needed; also stages part00 for step 2
 #   2. vllm     (carry part01, .devexp/wheels, .devexp/tf, .devexp/ours): installs vLLM, then
 #               the verification-attention test and benchmark and the GPU engine test
-#   3. e2e      (no carry): the end-to-end benchmark (about 5 minutes)
-#   4. profile  (no carry, optional): torch.profiler of ours (k=2) and of plain V1, batch 1
+#   3. e2e      (no carry): the end-to-end benchmark (about 5 minutes; E2E_K=2 for k=2 only)
+#   4. profile  (no carry, optional): torch.profiler of ours (k=2) and of plain V1, batch 1,
+#               with where the GPU idles waiting on the host
+# ('install' is step 2 without its tests, to chain another step in the same call.)
 # Only committed code should be on the tree that travels: a half-written kernel breaks step 2.
 set -uo pipefail
 step=${1:?usage: benchmarks/h200_session.sh kernels|vllm|e2e|profile}
@@ -34,7 +36,7 @@ kernels)
         > "$OUT/test_kernels_cuda.log" 2>&1
     echo "kernel tests rc=$?"; tail -3 "$OUT/test_kernels_cuda.log"
     ;;
-vllm)
+vllm|install)  # install alone: vLLM without the tests (then e2e in the same call)
     mkdir -p /tmp/site /tmp/tf
     cat /tmp/stage/vllm-trim.tar.xz.part00 .devexp/parts/vllm-trim.tar.xz.part01 \
         | tar -xJ -C /tmp/site || exit 3
@@ -43,6 +45,7 @@ vllm)
     pip install -q --no-index --no-deps --no-compile --target /tmp/tf .devexp/tf/*.whl \
         2>&1 | grep -v "as the 'root' user"
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    [ "$step" = install ] && exit 0
     timeout 100 python3 -m pytest -q tests/test_flat_verify_cuda.py > "$OUT/test_flat_verify_cuda.log" 2>&1
     echo "verify attention test rc=$?"; tail -2 "$OUT/test_flat_verify_cuda.log"
     timeout 100 python3 benchmarks/verify_attention.py --json "$OUT/verify_attention.json" \
@@ -52,13 +55,14 @@ vllm)
     ;;
 e2e)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
-    timeout 570 python3 benchmarks/e2e_decode.py --workdir /tmp/e2b --batch 1,8,32 --k 2,4 \
+    timeout "${E2E_TIMEOUT:-570}" python3 benchmarks/e2e_decode.py --workdir /tmp/e2b \
+        --batch 1,8,32 --k "${E2E_K:-2,4}" \
         --start-timeout 400 --json "$OUT/e2e_decode.json" > "$OUT/e2e.log" 2>&1
     echo "e2e rc=$?"; grep -v "Capturing\|it/s" "$OUT/e2e.log" | tail -12
     ;;
-profile)  # ours k=2 and plain V1 at batch 1 (and in-tree k=2 on V2 with PROFILE_IN_TREE=1)
+profile)  # ours k=2 and plain V1 at batch 1 (PROFILE_RUNS picks others)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
-    runs="ours-k2 plain-v1"; [ "${PROFILE_IN_TREE:-0}" = 1 ] && runs="$runs in-tree-k2"
+    runs=${PROFILE_RUNS:-ours-k2 plain-v1}  # any of ours-k2 plain-v1 in-tree-k2
     for run in $runs; do
         case $run in
         ours-k2) args="--k 2"; cache=3; v1=1 ;;
@@ -70,6 +74,7 @@ profile)  # ours k=2 and plain V1 at batch 1 (and in-tree k=2 on V2 with PROFILE
             > "$OUT/profile_$run.log" 2>&1
         echo "profile $run rc=$?"; sed -n '/^decode step/p;/^per decode step/,/CPU busy/p' \
             "$OUT/profile_$run.log"
+        sed -n '/^GPU timeline/,/^$/p' "$OUT/profile_$run.log"
     done
     ;;
 *) echo "unknown step $step"; exit 2 ;;

@@ -69,6 +69,7 @@ def main() -> None:
         for name, row in _totals(table).items()
     }
     _print_step_summary(per_step)
+    _print_gpu_idle(prof.events(), args.rows)
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
     print(
         table.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70)
@@ -121,6 +122,55 @@ def _print_step_summary(per_step: dict[str, tuple[float, ...]]) -> None:
                 print(f"  {what:10s} {name:32s} {calls:7.2f} calls {self_cpu:8.1f} us CPU")
     cpu = sum(row[2] for row in per_step.values())
     print(f"  CPU busy (sum of self CPU time)             {cpu:9.1f} us\n", flush=True)
+
+
+def _print_gpu_idle(events: Any, rows: int) -> None:
+    """Where the GPU waits on the host during the decode steps: the idle gaps between device
+    events (kernels, copies, memsets; graph replays show their kernels), each charged to the
+    innermost runner or gemma4_spec scope the CPU was in when the gap ended (the work that
+    delayed the next launch). Kineto puts CPU and GPU events on one clock."""
+    cpu = [e for e in events if not str(e.device_type).endswith("CUDA")]
+    cpu_names = {e.name for e in cpu}
+    device = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if str(e.device_type).endswith("CUDA") and e.name not in cpu_names
+    )
+    forwards = sorted(e.time_range.start for e in cpu if e.name == "gpu_model_runner: forward")
+    if len(forwards) < 3 or not device:
+        print("GPU idle: too few decode steps in the profile\n")
+        return
+    start, end, steps = forwards[1], device[-1][1], len(forwards) - 1  # skip the prefill step
+    scopes = [e for e in cpu if e.name.startswith(SCOPES)]
+    idle_by_scope: dict[str, float] = {}
+    busy = idle = 0.0
+    cursor = start
+    for lo, hi in device:
+        if hi <= cursor:
+            continue
+        lo = max(lo, start)
+        if lo > cursor:
+            gap = lo - cursor
+            idle += gap
+            inside = [s for s in scopes if s.time_range.start <= lo <= s.time_range.end]
+            owner = (
+                min(inside, key=lambda s: s.time_range.end - s.time_range.start).name
+                if inside
+                else "(outside the runner's scopes)"
+            )
+            idle_by_scope[owner] = idle_by_scope.get(owner, 0.0) + gap
+            cursor = lo
+        busy += hi - cursor
+        cursor = hi
+    span = end - start
+    print(
+        f"GPU timeline over {steps} decode steps: {span / steps:.1f} us per step, "
+        f"GPU busy {busy / steps:.1f} us, idle {idle / steps:.1f} us ({idle / span:.0%})"
+    )
+    print("GPU idle per step, by the CPU scope in which the idle gap ended:")
+    for name, gap in sorted(idle_by_scope.items(), key=lambda kv: -kv[1])[:rows]:
+        print(f"  {name:60s} {gap / steps:9.1f} us")
+    print(flush=True)
 
 
 if __name__ == "__main__":
