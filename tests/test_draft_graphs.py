@@ -1,6 +1,7 @@
 """What of the whole-draft-loop graphs (``spec_decode/draft_graphs.py``) can be checked without
-a GPU: when they are off, and the padding of a batch's attention metadata. Capture and replay
-run in tests/test_gpu_engine.py (CUDA only)."""
+a GPU: when they are off, the staging and padding of a batch into the graphs' buffers, when a
+replay rebuilds the attention metadata. Capture and replay run in tests/test_gpu_engine.py (CUDA
+only)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _proposer(device: str = "cpu", dp: int = 1, eager: bool = False) -> SimpleNa
 def test_off_without_cuda() -> None:
     graphs = DraftLoopGraphs(_proposer("cpu"))  # type: ignore[arg-type]
     assert graphs.disabled == "no CUDA"
-    assert graphs.draft(4, 4, 2, None) is None  # type: ignore[arg-type]
+    assert graphs.draft(4, 4, 2, *[None] * 6) is None  # type: ignore[arg-type]
     assert graphs.captured == []
 
 
@@ -90,21 +91,28 @@ def test_padding_replaces_the_batch_and_drops_other_per_request_fields() -> None
 
 
 class _FakeProposer(SimpleNamespace):
-    """What ``DraftLoopGraphs._static_inputs`` reads of the proposer, on CPU tensors."""
+    """What ``DraftLoopGraphs.draft`` reads of the proposer, on CPU tensors."""
 
-    def __init__(self, tables: dict[int, torch.Tensor], capacity: int = 16) -> None:
+    def __init__(
+        self, tables: dict[int, torch.Tensor], capacity: int = 16, backend: str = "TRITON_ATTN"
+    ) -> None:
         config = SimpleNamespace(
             parallel_config=SimpleNamespace(data_parallel_size=1),
             model_config=SimpleNamespace(enforce_eager=False, max_model_len=512),
             compilation_config=SimpleNamespace(max_cudagraph_capture_size=capacity),
         )
+        named = SimpleNamespace(get_name=lambda: backend)
         super().__init__(
             device=torch.device("cpu"),
             vllm_config=config,
-            draft_attn_groups=[SimpleNamespace(kv_cache_group_id=g) for g in (0, 1, 1)],
+            draft_attn_groups=[
+                SimpleNamespace(kv_cache_group_id=g, backend=named) for g in (0, 1, 1)
+            ],
             arange=torch.arange(capacity + 1, dtype=torch.int32),
             token_arange_np=np.arange(capacity + 1, dtype=np.int32),
-            positions=torch.arange(capacity),
+            input_ids=torch.full((capacity,), -5, dtype=torch.int32),
+            positions=torch.full((capacity,), -5, dtype=torch.long),
+            hidden_states=torch.full((capacity, 4), -5.0),
             tables=tables,
             slot_buffer=torch.zeros(capacity, dtype=torch.int64),
             built=[],
@@ -112,6 +120,11 @@ class _FakeProposer(SimpleNamespace):
 
     def block_table_of(self, gid: int, metadata: CommonAttentionMetadata) -> torch.Tensor:
         return self.tables.get(gid, metadata.block_table_tensor)
+
+    def _one_query_per_request(
+        self, metadata: CommonAttentionMetadata, rows: torch.Tensor, rejected: torch.Tensor
+    ) -> CommonAttentionMetadata:
+        return metadata  # already one query per request in these tests
 
     def _get_slot_mapping(self, num_tokens: int, slot_mapping: torch.Tensor) -> dict:
         self.slot_buffer[: slot_mapping.shape[0]].copy_(slot_mapping)
@@ -123,48 +136,101 @@ class _FakeProposer(SimpleNamespace):
         return [], {"layer": metadata}
 
 
-def test_static_inputs_pad_the_batch_into_fixed_buffers() -> None:
+class _Recorder(DraftLoopGraphs):
+    """Draft-loop graphs with capture and replay recorded instead of run (no CUDA here)."""
+
+    def __init__(self, proposer: _FakeProposer) -> None:
+        super().__init__(proposer)  # type: ignore[arg-type]
+        self.disabled = None  # as on CUDA
+        self.events: list[str] = []
+
+    def _backends_support_full_graphs(self) -> str | None:
+        return None
+
+    def _capture(self, size, k, batch_size, metadata, per_layer, slot_mapping):  # type: ignore[no-untyped-def]
+        self.events.append(f"capture {size}x{k}")
+        self._graphs[(size, k)] = (None, torch.zeros(size, k, dtype=torch.int64))  # type: ignore[assignment]
+        return torch.zeros(batch_size, k, dtype=torch.int64)
+
+    def _replay(self, graph, tokens, batch_size):  # type: ignore[no-untyped-def]
+        self.events.append("replay")
+        self.replays += 1
+        return tokens[:batch_size].clone()
+
+
+def _draft(graphs: DraftLoopGraphs, batch: int, size: int, metadata: CommonAttentionMetadata):  # type: ignore[no-untyped-def]
+    hidden = torch.arange(3 * batch * 4, dtype=torch.float32).view(3 * batch, 4)
+    return graphs.draft(
+        batch,
+        size,
+        2,
+        metadata,
+        torch.arange(batch, dtype=torch.int32) + 70,  # next token ids
+        torch.arange(3 * batch) + 100,  # the target step's positions (3 tokens a request)
+        hidden,
+        torch.arange(batch, dtype=torch.int32) * 3 + 2,  # each request's last accepted row
+        torch.ones(batch, dtype=torch.int32),  # one token rejected each
+    )
+
+
+def test_draft_stages_the_batch_into_fixed_buffers_then_captures_once() -> None:
     batch, size = 3, 8
     runner_tables = {1: torch.arange(40, dtype=torch.int32).view(5, 8) + 100}
     proposer = _FakeProposer(runner_tables)
-    graphs = DraftLoopGraphs(proposer)  # type: ignore[arg-type]
+    graphs = _Recorder(proposer)
     metadata = _metadata(batch)
     metadata.block_table_tensor = torch.arange(5 * 4, dtype=torch.int32).view(5, 4) + 1
 
-    first = graphs._static_inputs(metadata, batch, size)
-    assert first is not None
-    per_layer, slots = first
+    assert _draft(graphs, batch, size, metadata) is not None
+    assert graphs.events == ["capture 8x2"]
     padded, tables = proposer.built[-1]
     # The batch, then padding rows: one key each, on the null block, writing no K/V.
-    assert padded.seq_lens.tolist() == [9, 9, 9, 1, 1, 1, 1, 1]
+    assert padded.seq_lens.tolist() == [8, 8, 8, 1, 1, 1, 1, 1]  # 9 keys less 1 rejected
+    assert proposer.input_ids[:size].tolist() == [70, 71, 72, 0, 0, 0, 0, 0]
+    assert proposer.positions[:size].tolist() == [102, 105, 108, 0, 0, 0, 0, 0]
+    assert proposer.hidden_states[1].tolist() == [20.0, 21.0, 22.0, 23.0]  # target row 5
+    assert not proposer.hidden_states[batch:size].any()
+    assert proposer.input_ids[size] == -5  # nothing past the graph's rows
     assert padded.num_reqs == size and padded.num_actual_tokens == size
     assert padded.query_start_loc.tolist() == list(range(size + 1))
     assert padded.max_seq_len == 512
-    assert slots["layer"].tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+    assert proposer.slot_buffer[:size].tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
     assert sorted(tables) == [0, 1]  # one table per KV cache group, however many layer groups
     assert tables[0][:batch].tolist() == metadata.block_table_tensor[:batch].tolist()
     assert tables[1][:batch].tolist() == runner_tables[1][:batch].tolist()
     assert not tables[0][batch:].any() and not tables[1][batch:].any()
-    assert per_layer["layer"] is padded
 
-    # A smaller batch in the same size reuses the same memory and re-pads its rows.
-    second = graphs._static_inputs(_metadata(2), 2, size)
-    assert second is not None
-    again, tables_again = proposer.built[-1]
-    assert again.seq_lens.data_ptr() == padded.seq_lens.data_ptr()
-    assert again.seq_lens.tolist() == [9, 9, 1, 1, 1, 1, 1, 1]
-    assert all(tables_again[g].data_ptr() == tables[g].data_ptr() for g in tables)
-    assert not tables_again[1][2:].any()
+    # A smaller batch in the same graph: restaged into the same memory and replayed; the
+    # Triton backend's metadata needs no rebuild.
+    builds = len(proposer.built)
+    assert _draft(graphs, 2, size, _metadata(2)) is not None
+    assert graphs.events == ["capture 8x2", "replay"] and len(proposer.built) == builds
+    assert graphs.rebuild_free and graphs.replays == 1
+    assert graphs._buffers is not None
+    assert graphs._buffers.seq_lens[:size].tolist() == [8, 8, 1, 1, 1, 1, 1, 1]
+    assert graphs._buffers.seq_lens.data_ptr() == padded.seq_lens.data_ptr()
+    for gid, table in zip((0, 1), graphs._buffers.tables, strict=True):
+        assert table.data_ptr() == tables[gid].data_ptr()
+    assert not graphs._buffers.tables[1][2:size].any()
 
 
-def test_static_inputs_refuse_what_the_buffers_cannot_hold() -> None:
+def test_other_backends_rebuild_the_metadata_before_each_replay() -> None:
+    proposer = _FakeProposer({}, backend="FLASH_ATTN")
+    graphs = _Recorder(proposer)
+    _draft(graphs, 2, 4, _metadata(2))
+    _draft(graphs, 2, 4, _metadata(2))
+    assert graphs.events == ["capture 4x2", "replay"] and len(proposer.built) == 2
+    assert not graphs.rebuild_free
+
+
+def test_draft_refuses_what_the_buffers_cannot_hold() -> None:
     proposer = _FakeProposer({}, capacity=4)
-    graphs = DraftLoopGraphs(proposer)  # type: ignore[arg-type]
-    assert graphs._static_inputs(_metadata(3), 3, 8) is None  # past the largest capture size
-    assert graphs._static_inputs(_metadata(3), 3, 4) is not None
+    graphs = _Recorder(proposer)
+    assert _draft(graphs, 3, 8, _metadata(3)) is None  # past the largest capture size
+    assert _draft(graphs, 3, 4, _metadata(3)) is not None
     wider = _metadata(3)
     wider.block_table_tensor = torch.zeros(3, 6, dtype=torch.int32)
-    assert graphs._static_inputs(wider, 3, 4) is None  # table width changed: graphs off
+    assert _draft(graphs, 3, 4, wider) is None  # table width changed: graphs off
     assert graphs.disabled is not None and "width" in graphs.disabled
 
 

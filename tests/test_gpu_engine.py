@@ -104,6 +104,9 @@ def test_whole_draft_loop_replayed_from_a_graph(runs, target: str) -> None:  # t
     assert ours.draft_loop_graphs_off is None
     assert ours.draft_loop_graphs
     assert all(k == 3 and size >= 1 for size, k in ours.draft_loop_graphs)
+    # Replays restage the inputs in one launch and, on TRITON_ATTN, rebuild no metadata.
+    assert ours.draft_loop_replays > 0
+    assert ours.draft_loop_rebuild_free
 
 
 @pytest.mark.parametrize("target", ["tiny", "e2b"])

@@ -10,10 +10,13 @@ as one graph.
 
 What a graph reads stays at fixed addresses: the proposer's step inputs (token ids, positions,
 hidden states) and the buffers here: sequence lengths, one block table per KV cache group, and
-the base class's slot-mapping buffer. Every call copies the batch into them, pads the rows past
-the batch as requests of one key on the null block, rebuilds the draft attention metadata over
-them (as vLLM's runner does before replaying its own full graphs, so that any backend state
-derived from the metadata is rewritten into the builder's persistent buffers) and replays.
+the base class's slot-mapping buffer. Every call stages the batch into them in one launch
+(``ops/draft_inputs.py``: the rows past the batch become requests of one key on the null
+block) and replays. Where a draft attention backend may derive state from its metadata (into a
+builder's persistent buffers), the metadata is also rebuilt over the buffers before every
+replay, as vLLM's runner does before replaying its own full graphs; backends whose metadata
+only refers to the tensors it is given (``REBUILD_FREE_BACKENDS``) skip that host work. The
+slot mapping is never restaged: draft layers read the target's K/V and write none.
 
 A (size, k) is captured the first time it is drafted: that call runs the loop eagerly (its
 tokens are used) and then captures it. Used only for greedy drafting on CUDA, without data
@@ -37,6 +40,7 @@ from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadat
 from vllm.v1.utils import record_function_or_nullcontext as scope
 
 from gemma4_spec.log import get_logger
+from gemma4_spec.ops.draft_inputs import DraftStepBuffers, DraftStepSources, stage_draft_inputs
 
 if TYPE_CHECKING:
     from gemma4_spec.spec_decode.proposer import Gemma4Proposer
@@ -44,7 +48,11 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 FULL_DRAFT_GRAPHS_ENV = "GEMMA4_SPEC_FULL_DRAFT_GRAPHS"
-NULL_BLOCK_ID = 0  # vLLM reserves block 0 for padding
+# Draft attention backends (by ``get_name()``) whose metadata build only keeps references to the
+# tensors it is given, writing nothing on the GPU (vLLM 0.26 - 0.33: ``TritonAttention...build``
+# derives device state only for cascade, multimodal and rolling-window batches, which one-query
+# draft batches are not): a graph captured over our buffers replays without a rebuild.
+REBUILD_FREE_BACKENDS = frozenset({"TRITON_ATTN"})
 
 
 def loop_graph_size(batch_size: int, runner_size: int) -> int:
@@ -67,9 +75,11 @@ class DraftLoopGraphs:
         self._p = proposer
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
-        self._seq_lens: torch.Tensor | None = None
-        self._tables: dict[int, torch.Tensor] = {}
+        self._buffers: DraftStepBuffers | None = None
+        self._gids: tuple[int, ...] = ()  # the draft's KV cache groups, one table buffer each
         self._backends_checked = False
+        self.rebuild_free = False  # replays skip the metadata rebuild (REBUILD_FREE_BACKENDS)
+        self.replays = 0
         self.disabled: str | None = self._unsupported_reason()
         if self.disabled is not None:
             logger.info("gemma4_spec: draft steps run one by one (%s).", self.disabled)
@@ -104,12 +114,22 @@ class DraftLoopGraphs:
         logger.warning("gemma4_spec: full-graph drafting off (%s); drafting step by step.", reason)
 
     def draft(
-        self, batch_size: int, size: int, k: int, metadata: CommonAttentionMetadata
+        self,
+        batch_size: int,
+        size: int,
+        k: int,
+        common_metadata: CommonAttentionMetadata,
+        next_token_ids: torch.Tensor,
+        target_positions: torch.Tensor,
+        target_hidden_states: torch.Tensor,
+        token_indices: torch.Tensor,
+        num_rejected_tokens: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Draft tokens ``[batch_size, k]`` from the graph of ``size`` rows (the padded batch
         size the runner has drafter graphs for; capturing it on first use), or None when this
-        batch must take the step-by-step path. The proposer has already written the first
-        step's token ids, positions and hidden states into its input buffers."""
+        batch must take the step-by-step path. Arguments as the proposer's ``propose`` gets
+        them: the target step's metadata and tensors, each request's last accepted row
+        (``token_indices``) and its rejected tokens."""
         if self.disabled is not None:
             return None
         if not self._backends_checked:  # first use: the attention backends are known by now
@@ -118,63 +138,90 @@ class DraftLoopGraphs:
             if reason is not None:
                 self._disable(reason)
                 return None
+            names = {group.backend.get_name() for group in self._p.draft_attn_groups}
+            self.rebuild_free = names <= REBUILD_FREE_BACKENDS
+        p = self._p
         with scope("gemma4_spec: draft graph inputs"):
-            static = self._static_inputs(metadata, batch_size, size)
-        if static is None:
-            return None
-        per_layer, slot_mapping = static
+            sources = DraftStepSources(
+                next_token_ids=next_token_ids,
+                positions=target_positions,
+                hidden=target_hidden_states,
+                rows=token_indices,
+                seq_lens=common_metadata.seq_lens,
+                rejected=num_rejected_tokens,
+                tables=tuple(p.block_table_of(gid, common_metadata) for gid in self._group_ids()),
+            )
+            buffers = self._buffers_for(sources, size)
+            if buffers is None:
+                return None
+            stage_draft_inputs(sources, buffers, batch_size, size)
         hit = self._graphs.get((size, k))
+        if hit is not None and self.rebuild_free:
+            return self._replay(*hit, batch_size)
+        metadata = p._one_query_per_request(common_metadata, token_indices, num_rejected_tokens)
+        with scope("gemma4_spec: draft graph inputs"):
+            per_layer, slot_mapping = self._metadata(metadata, batch_size, size)
         if hit is not None:
-            graph, tokens = hit
-            with scope("gemma4_spec: draft graph replay"):
-                graph.replay()
-                return tokens[:batch_size].clone()
+            return self._replay(*hit, batch_size)
         return self._capture(size, k, batch_size, metadata, per_layer, slot_mapping)
+
+    def _replay(
+        self, graph: torch.cuda.CUDAGraph, tokens: torch.Tensor, batch_size: int
+    ) -> torch.Tensor:
+        self.replays += 1
+        with scope("gemma4_spec: draft graph replay"):
+            graph.replay()
+            return tokens[:batch_size].clone()
 
     # ----------------------------------------------------------------------------------------
 
-    def _static_inputs(
-        self, metadata: CommonAttentionMetadata, batch_size: int, size: int
-    ) -> tuple[dict[str, object], dict[str, torch.Tensor]] | None:
-        """Copies this batch into the static buffers (padded to ``size``) and builds the draft
-        layers' attention metadata over them."""
-        p = self._p
-        if self._seq_lens is None:
-            capacity = p.vllm_config.compilation_config.max_cudagraph_capture_size
-            self._seq_lens = torch.ones(capacity, dtype=torch.int32, device=p.device)
-        if size > self._seq_lens.shape[0]:  # the drafter's sizes stay within vLLM's maximum
-            return None
-        seq_lens = self._seq_lens[:size]
-        seq_lens[:batch_size].copy_(metadata.seq_lens[:batch_size])
-        seq_lens[batch_size:].fill_(1)
+    def _group_ids(self) -> tuple[int, ...]:
+        if not self._gids:
+            self._gids = tuple(
+                sorted({group.kv_cache_group_id for group in self._p.draft_attn_groups})
+            )
+        return self._gids
 
-        tables: dict[int, torch.Tensor] = {}
-        for group in p.draft_attn_groups:
-            gid = group.kv_cache_group_id
-            if gid in tables:
-                continue
-            source = p.block_table_of(gid, metadata)
-            table = self._tables.get(gid)
-            if table is None:
-                table = torch.full(
-                    (self._seq_lens.shape[0], source.shape[1]), NULL_BLOCK_ID,
-                    dtype=source.dtype, device=p.device,
-                )  # fmt: skip
-                self._tables[gid] = table
-            elif table.shape[1] != source.shape[1]:
+    def _buffers_for(self, sources: DraftStepSources, size: int) -> DraftStepBuffers | None:
+        """The graphs' fixed input buffers (made at the first call), or None if this batch does
+        not fit them."""
+        p = self._p
+        if self._buffers is None:
+            capacity = p.vllm_config.compilation_config.max_cudagraph_capture_size
+            self._buffers = DraftStepBuffers(
+                input_ids=p.input_ids,
+                positions=p.positions,
+                hidden=p.hidden_states,
+                seq_lens=torch.ones(capacity, dtype=torch.int32, device=p.device),
+                tables=tuple(
+                    torch.zeros(capacity, t.shape[1], dtype=t.dtype, device=p.device)
+                    for t in sources.tables
+                ),
+            )
+        buffers = self._buffers
+        if size > buffers.seq_lens.shape[0]:  # the drafter's sizes stay within vLLM's maximum
+            return None
+        for gid, table, source in zip(self._gids, buffers.tables, sources.tables, strict=True):
+            if table.shape[1] != source.shape[1] or table.dtype != source.dtype:
                 self._disable(f"block table width of KV cache group {gid} changed")
                 return None
-            table[:batch_size].copy_(source[:batch_size])
-            table[batch_size:size].fill_(NULL_BLOCK_ID)
-            tables[gid] = table[:size]
+        return buffers
 
+    def _metadata(
+        self, metadata: CommonAttentionMetadata, batch_size: int, size: int
+    ) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+        """The draft layers' attention metadata over the staged buffers (``size`` rows), and the
+        slot mapping of the forward context."""
+        p = self._p
+        assert self._buffers is not None
+        tables = {gid: t[:size] for gid, t in zip(self._gids, self._buffers.tables, strict=True)}
         slot_mapping = p._get_slot_mapping(size, metadata.slot_mapping[:batch_size])
         padded = _pad_common_metadata(
             metadata,
             batch_size,
             query_start_loc=p.arange[: size + 1],
             query_start_loc_cpu=torch.from_numpy(p.token_arange_np[: size + 1]).clone(),
-            seq_lens=seq_lens,
+            seq_lens=self._buffers.seq_lens[:size],
             num_reqs=size,
             num_actual_tokens=size,
             max_query_len=1,
@@ -217,9 +264,7 @@ class DraftLoopGraphs:
         tokens = torch.zeros(size, k, dtype=torch.int64, device=p.device)
         self._loop(size, k, per_layer, slot_mapping, tokens)  # this call's drafts, eagerly
         drafted = tokens[:batch_size].clone()
-        rebuilt = self._static_inputs(metadata, batch_size, size)
-        if rebuilt is None:
-            return drafted
+        rebuilt = self._metadata(metadata, batch_size, size)
         moved = _moved_tensors(per_layer, rebuilt[0], p.device.type)
         if moved:
             self._disable(f"attention metadata built in fresh memory each step ({moved})")

@@ -118,12 +118,6 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
 
         # Scopes show in torch.profiler with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 (no-ops otherwise).
         with scope("gemma4_spec: draft inputs"):
-            self.input_ids[:batch_size] = next_token_ids
-            self.positions[:batch_size] = target_positions[token_indices_to_sample]
-            self.hidden_states[:batch_size] = target_hidden_states[token_indices_to_sample]
-            metadata = self._one_query_per_request(
-                common_attn_metadata, token_indices_to_sample, num_rejected_tokens_gpu
-            )
             mode, num_input_tokens, tokens_across_dp = self._determine_batch_execution_and_padding(
                 batch_size
             )
@@ -133,11 +127,27 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         # A whole-loop graph only where the runner has drafter graphs for this size.
         if greedy and mode != CUDAGraphMode.NONE and tokens_across_dp is None:
             assert self.loop_graphs is not None
-            size = loop_graph_size(batch_size, num_input_tokens)
-            drafted = self.loop_graphs.draft(batch_size, size, num_speculative_tokens, metadata)
+            drafted = self.loop_graphs.draft(
+                batch_size,
+                loop_graph_size(batch_size, num_input_tokens),
+                num_speculative_tokens,
+                common_attn_metadata,
+                next_token_ids,
+                target_positions,
+                target_hidden_states,
+                token_indices_to_sample,
+                num_rejected_tokens_gpu,
+            )
             if drafted is not None:
                 return drafted
 
+        with scope("gemma4_spec: draft inputs"):
+            self.input_ids[:batch_size] = next_token_ids
+            self.positions[:batch_size] = target_positions[token_indices_to_sample]
+            self.hidden_states[:batch_size] = target_hidden_states[token_indices_to_sample]
+            metadata = self._one_query_per_request(
+                common_attn_metadata, token_indices_to_sample, num_rejected_tokens_gpu
+            )
         _, per_layer_metadata = self.build_per_group_and_layer_attn_metadata(metadata)
 
         draft_tokens: list[torch.Tensor] = []

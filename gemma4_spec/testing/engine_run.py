@@ -61,6 +61,10 @@ class RunResult:
     # drafted step by step instead (None if it did not).
     draft_loop_graphs: list[tuple[int, int]] = field(default_factory=list)
     draft_loop_graphs_off: str | None = None
+    # How many draft loops were replayed, and whether replays skipped rebuilding the draft
+    # attention metadata (spec_decode/draft_graphs.py: REBUILD_FREE_BACKENDS).
+    draft_loop_replays: int = 0
+    draft_loop_rebuild_free: bool = False
     # Target attention builds whose verification batch ran as one-token sequences
     # (patch/patch_triton_attn.py), summed over the runner's attention builders.
     flat_verify_rewrites: int = 0
@@ -134,6 +138,8 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     result.sampler_graph_sizes = worker["sampler_graph_sizes"]
     result.draft_loop_graphs = [tuple(x) for x in worker["draft_loop_graphs"]]
     result.draft_loop_graphs_off = worker["draft_loop_graphs_off"]
+    result.draft_loop_replays = worker["draft_loop_replays"]
+    result.draft_loop_rebuild_free = worker["draft_loop_rebuild_free"]
     result.flat_verify_rewrites = worker["flat_verify_rewrites"]
     del llm
     return result
@@ -155,6 +161,8 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "sampler_graph_sizes": list(getattr(sampler, "captured_sizes", [])),
         "draft_loop_graphs": [] if loops is None else loops.captured,
         "draft_loop_graphs_off": None if loops is None else loops.disabled,
+        "draft_loop_replays": 0 if loops is None else loops.replays,
+        "draft_loop_rebuild_free": False if loops is None else loops.rebuild_free,
         "flat_verify_rewrites": sum(
             rewrites_of(builder)
             for groups in getattr(runner, "attn_groups", None) or []
