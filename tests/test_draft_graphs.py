@@ -257,3 +257,24 @@ def test_loop_graph_sizes(batch: int, runner: int, size: int) -> None:
     # The runner's drafter sizes are multiples of 1 + k; ours are powers of two to 8, then
     # multiples of 8, and never more than the runner's.
     assert loop_graph_size(batch, runner) == size
+
+
+@pytest.mark.parametrize(
+    ("names", "version", "free"),
+    [
+        ({"TRITON_ATTN"}, "0.26.0", True),
+        ({"TRITON_ATTN"}, "0.32.0", True),
+        ({"TRITON_ATTN"}, "0.29.1", False),  # sources not read: rebuild before every replay
+        ({"TRITON_ATTN", "FLASH_ATTN"}, "0.26.0", False),
+        ({"FLASH_ATTN"}, "0.26.0", False),
+        (set(), "0.26.0", False),
+    ],
+)
+def test_which_draft_backends_replay_without_a_metadata_rebuild(
+    names: set[str], version: str, free: bool
+) -> None:
+    from packaging.version import Version
+
+    from gemma4_spec.compat import draft_metadata_rebuild_free
+
+    assert draft_metadata_rebuild_free(names, Version(version)) is free

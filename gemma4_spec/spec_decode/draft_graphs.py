@@ -15,7 +15,8 @@ the base class's slot-mapping buffer. Every call stages the batch into them in o
 block) and replays. Where a draft attention backend may derive state from its metadata (into a
 builder's persistent buffers), the metadata is also rebuilt over the buffers before every
 replay, as vLLM's runner does before replaying its own full graphs; backends whose metadata
-only refers to the tensors it is given (``REBUILD_FREE_BACKENDS``) skip that host work. The
+only refers to the tensors it is given (``compat.REBUILD_FREE_DRAFT_METADATA``) skip that host
+work. The
 slot mapping is never restaged: draft layers read the target's K/V and write none.
 
 A (size, k) is captured the first time it is drafted: that call runs the loop eagerly (its
@@ -39,6 +40,7 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.utils import record_function_or_nullcontext as scope
 
+from gemma4_spec.compat import draft_metadata_rebuild_free
 from gemma4_spec.log import get_logger
 from gemma4_spec.ops.draft_inputs import DraftStepBuffers, DraftStepSources, stage_draft_inputs
 
@@ -48,11 +50,6 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 FULL_DRAFT_GRAPHS_ENV = "GEMMA4_SPEC_FULL_DRAFT_GRAPHS"
-# Draft attention backends (by ``get_name()``) whose metadata build only keeps references to the
-# tensors it is given, writing nothing on the GPU (vLLM 0.26 - 0.33: ``TritonAttention...build``
-# derives device state only for cascade, multimodal and rolling-window batches, which one-query
-# draft batches are not): a graph captured over our buffers replays without a rebuild.
-REBUILD_FREE_BACKENDS = frozenset({"TRITON_ATTN"})
 
 
 def loop_graph_size(batch_size: int, runner_size: int) -> int:
@@ -78,7 +75,7 @@ class DraftLoopGraphs:
         self._buffers: DraftStepBuffers | None = None
         self._gids: tuple[int, ...] = ()  # the draft's KV cache groups, one table buffer each
         self._backends_checked = False
-        self.rebuild_free = False  # replays skip the metadata rebuild (REBUILD_FREE_BACKENDS)
+        self.rebuild_free = False  # replays skip the metadata rebuild (see compat)
         self.replays = 0
         self.disabled: str | None = self._unsupported_reason()
         if self.disabled is not None:
@@ -139,7 +136,7 @@ class DraftLoopGraphs:
                 self._disable(reason)
                 return None
             names = {group.backend.get_name() for group in self._p.draft_attn_groups}
-            self.rebuild_free = names <= REBUILD_FREE_BACKENDS
+            self.rebuild_free = draft_metadata_rebuild_free(names)
         p = self._p
         with scope("gemma4_spec: draft graph inputs"):
             sources = DraftStepSources(

@@ -62,7 +62,7 @@ class RunResult:
     draft_loop_graphs: list[tuple[int, int]] = field(default_factory=list)
     draft_loop_graphs_off: str | None = None
     # How many draft loops were replayed, and whether replays skipped rebuilding the draft
-    # attention metadata (spec_decode/draft_graphs.py: REBUILD_FREE_BACKENDS).
+    # attention metadata (compat.REBUILD_FREE_DRAFT_METADATA).
     draft_loop_replays: int = 0
     draft_loop_rebuild_free: bool = False
     # Target attention builds whose verification batch ran as one-token sequences
