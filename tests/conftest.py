@@ -1,9 +1,14 @@
 """Shared pytest hooks: figures that tests measure (e.g. acceptance rates) shown at the end of
-the run, so they appear in the CI log even with ``pytest -q``."""
+the run, so they appear in the CI log even with ``pytest -q``; a runner of code under Triton's
+interpreter."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +23,23 @@ def report_figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
         _FIGURES.append((request.node.nodeid, line))
 
     return record
+
+
+@pytest.fixture
+def triton_interpreter() -> Callable[[str], subprocess.CompletedProcess[str]]:
+    """``run(code)``: ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (it must be set
+    before triton is imported), the repository root and ``tests/`` importable; Triton kernels
+    then run on CPU tensors."""
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests), env.get("PYTHONPATH", "")])
+
+    def run(code: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
+
+    return run
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

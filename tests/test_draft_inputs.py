@@ -3,11 +3,6 @@ fallback, and the Triton kernel on CUDA or under Triton's interpreter) against t
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -154,12 +149,6 @@ def test_staging_replays_in_cuda_graph() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA test covers it)")
-def test_staging_kernel_matches_reference_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
-    code = "import test_draft_inputs as t; t._check_against_reference('cpu')"
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+def test_staging_kernel_matches_reference_under_interpreter(triton_interpreter) -> None:  # type: ignore[no-untyped-def]
+    out = triton_interpreter("import test_draft_inputs as t; t._check_against_reference('cpu')")
     assert out.returncode == 0, out.stdout + out.stderr

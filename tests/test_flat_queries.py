@@ -3,11 +3,6 @@ kernel against the reference (on CUDA, or on CPU under Triton's interpreter in a
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -113,12 +108,7 @@ def test_kernel_replays_in_cuda_graph() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA test covers it)")
-def test_kernel_matches_reference_under_interpreter() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "tests"), env.get("PYTHONPATH", "")])
+def test_kernel_matches_reference_under_interpreter(triton_interpreter) -> None:  # type: ignore[no-untyped-def]
     code = "import test_flat_queries as t; t._check_kernel_against_reference('cpu')"
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    out = triton_interpreter(code)
     assert out.returncode == 0, out.stdout + out.stderr
