@@ -5,7 +5,9 @@ E2B-shaped random weights (``gemma4_spec.testing.e2b_shaped``), bf16, CUDA graph
 (almost) no drafts, so every step yields one token per sequence and the ratio of a speculative
 step to a plain step is the pure cost of speculating; it must stay small for speculation to pay
 off with a real assistant. Every configuration is its own engine process (``VLLM_PLUGINS`` picks
-ours or the in-tree one); they start together, then are timed in rounds, taking turns.
+ours or the in-tree one); they start together, then are timed in rounds, taking turns. Each
+engine also reports its process CPU time and garbage-collection pauses per step: a CPU time
+close to the step time means the host bounds the step.
 
     python benchmarks/e2e_decode.py --workdir /tmp/e2b --batch 1,8,32 --k 2,4 --json e2e.json
 """
@@ -13,6 +15,7 @@ ours or the in-tree one); they start together, then are timed in rounds, taking 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -91,11 +94,24 @@ def _worker(args: argparse.Namespace) -> None:
         for b in batches
     }  # fmt: skip
 
-    def run(batch: int, tokens: int) -> float:
+    gc_pauses: list[float] = []  # seconds of each garbage collection while timing
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            gc_pauses.append(time.perf_counter() - gc_started[0])
+
+    def run(batch: int, tokens: int) -> tuple[float, float, float]:
+        """(wall s, process CPU s, GC pause s) of generating ``tokens`` per prompt."""
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+        gc_pauses.clear()
+        cpu = time.process_time()
         start = time.perf_counter()
         llm.generate(prompts[batch], params, use_tqdm=False)
-        return time.perf_counter() - start
+        wall = time.perf_counter() - start
+        return wall, time.process_time() - cpu, sum(gc_pauses)
 
     for b in batches:  # warm-up (also captures anything captured on first use)
         run(b, 8)
@@ -104,21 +120,31 @@ def _worker(args: argparse.Namespace) -> None:
 
     # Timed in rounds, the engines taking turns within each round (the parent says when), so
     # that drift of the machine over the run spreads over every configuration alike.
+    # Per decode step, besides its time: the process's CPU time (all its threads; near the
+    # step time, the host bounds the step) and garbage-collection pauses.
     step_ms: dict[int, list[float]] = {b: [] for b in batches}
+    cpu_ms: dict[int, list[float]] = {b: [] for b in batches}
+    gc_ms: dict[int, list[float]] = {b: [] for b in batches}
     before = spec_metrics(llm.get_metrics())
+    gc.callbacks.append(on_gc)
     for rnd in range(REPEATS):
         while not (control / f"{args.index}.go{rnd}").exists():
             time.sleep(0.05)
         for b in batches:
             prefill = run(b, 1)
             full = run(b, 1 + NEW_TOKENS)
-            step_ms[b].append((full - prefill) / NEW_TOKENS * 1e3)
+            step_ms[b].append((full[0] - prefill[0]) / NEW_TOKENS * 1e3)
+            cpu_ms[b].append((full[1] - prefill[1]) / NEW_TOKENS * 1e3)
+            gc_ms[b].append((full[2] - prefill[2]) / NEW_TOKENS * 1e3)
         (control / f"{args.index}.done{rnd}").touch()
+    gc.callbacks.remove(on_gc)
     acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
     results = {
         str(b): {
             "step_ms": statistics.median(step_ms[b]),
             "step_ms_all": step_ms[b],
+            "cpu_ms_all": cpu_ms[b],
+            "gc_ms_all": gc_ms[b],
             "acceptance_rate": acc.acceptance_rate if acc.num_draft_tokens else None,
         }
         for b in batches
@@ -241,6 +267,16 @@ def _print_table(results: dict[str, Any]) -> None:
                 + (f" a={acc:.2f}" if acc is not None else "")
             )
         print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
+    if all("cpu_ms_all" in results[n][b] for n in results for b in batches):
+        print("\nper step, ms, median of the rounds: process CPU time / garbage-collection pauses")
+        print(f"{'configuration':26}" + "".join(f"{'B=' + b:>26}" for b in batches))
+        for name, per_batch in results.items():
+            cells = [
+                f"{statistics.median(per_batch[b]['cpu_ms_all']):6.3f} / "
+                f"{statistics.median(per_batch[b]['gc_ms_all']):6.3f}"
+                for b in batches
+            ]
+            print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
 
 
 if __name__ == "__main__":
