@@ -4,9 +4,9 @@ Every verification step launches the query-flattening kernel once per target KV 
 (five for E2B shapes), and every draft replay launches the input-staging kernel once: small
 kernels whose GPU time is a microsecond or two, launched from Python through Triton's JIT
 dispatch, on a step the host bounds at small batches. This times, per call, the host CPU of
-(a) the Triton launch as the plugin does it, (b) a CUDA-graph replay of the same launch (what a
-graph-wrapped launch would cost), and (c) one small torch op, for scale. Needs torch, triton and
-CUDA only.
+(a) the plain Triton launch, (b) the call as the plugin makes it (``ops/graphed_launch.py``: a
+key, then a CUDA-graph replay of the launch), (c) the bare graph replay, and (d) one small
+torch op, for scale. Needs torch, triton and CUDA only.
 
     python benchmarks/launch_overhead.py [--reps 2000]
 """
@@ -29,6 +29,7 @@ from gemma4_spec.ops.draft_inputs import (  # noqa: E402
     stage_draft_inputs,
 )
 from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries  # noqa: E402
+from gemma4_spec.ops.graphed_launch import GraphedLaunches  # noqa: E402
 
 
 def host_us(fn: Callable[[], object], reps: int) -> float:
@@ -61,7 +62,11 @@ def main() -> None:
     qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * q
     seq_lens = torch.full((b,), 200, dtype=torch.int32, device=dev)
     table = torch.randint(1, 999, (b, width), dtype=torch.int32, device=dev)
-    flat = FlatQueryBuffers(64, width, dev)
+    plain_flat, flat = FlatQueryBuffers(64, width, dev), FlatQueryBuffers(64, width, dev)
+    plain_flat.launches.disabled = "timed as a plain launch"
+
+    def flatten_plain() -> object:
+        return flatten_queries(qsl, seq_lens, table, b * q, plain_flat)
 
     def flatten() -> object:
         return flatten_queries(qsl, seq_lens, table, b * q, flat)
@@ -84,15 +89,23 @@ def main() -> None:
         tables=tuple(torch.zeros(64, width, dtype=torch.int32, device=dev) for _ in range(2)),
     )
 
-    def stage() -> None:
+    launches = GraphedLaunches("staging")
+
+    def stage_plain() -> None:
         stage_draft_inputs(src, out, b, b)
 
+    def stage() -> None:
+        stage_draft_inputs(src, out, b, b, launches)
+
     small = torch.zeros(64, dtype=torch.int32, device=dev)
-    print("host CPU per call, us")
-    for name, fn in (("flatten_queries", flatten), ("stage_draft_inputs", stage)):
-        jit = host_us(fn, args.reps)
-        graph = host_us(graphed(fn), args.reps)
-        print(f"  {name:20s} Triton launch {jit:6.1f}   graph replay {graph:6.1f}")
+    print("host CPU per call, us: plain Triton launch / as the plugin calls it / bare replay")
+    for name, plain, ours in (
+        ("flatten_queries", flatten_plain, flatten),
+        ("stage_draft_inputs", stage_plain, stage),
+    ):
+        cells = [host_us(plain, args.reps), host_us(ours, args.reps)]
+        cells.append(host_us(graphed(plain), args.reps))
+        print(f"  {name:20s} " + " / ".join(f"{c:6.1f}" for c in cells))
     print(f"  {'torch fill_':20s} {host_us(lambda: small.fill_(1), args.reps):6.1f}")
 
 

@@ -116,3 +116,5 @@ def test_verification_attention_ran_as_one_token_sequences(runs, target: str) ->
     # verification batches.
     assert runs[f"{target}-ours"].flat_verify_rewrites > 0
     assert runs[f"{target}-plain"].flat_verify_rewrites == 0
+    # After its first step, each builder's flattening replays from a CUDA graph.
+    assert runs[f"{target}-ours"].flat_verify_graph_replays > 0

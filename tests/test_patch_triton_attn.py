@@ -190,3 +190,5 @@ def test_apply_wraps_build_once_and_rewrites_verification_batches(vllm_026: None
     assert builder.build(0, _common(3, 9)).max_query_len == 1
     assert builder.build(common_prefix_len=0, common_attn_metadata=_common(3, 9)).max_query_len == 1
     assert patch_triton_attn.rewrites_of(builder) == 2
+    # Its flattening ran on CPU tensors (the torch reference): nothing to replay from graphs.
+    assert patch_triton_attn.flatten_replays_of(builder) == 0

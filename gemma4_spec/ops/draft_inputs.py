@@ -21,7 +21,9 @@ the step the target rejected, whose K/V are still in the cache) and its block-ta
   zero hidden state, ``seq_lens[r] = 1``, ``tables[g][r] = 0``.
 
 ``stage_draft_inputs`` writes the same into the buffers in one Triton launch (one more per two
-further KV cache groups), reading everything on the GPU: no host synchronisation.
+further KV cache groups), reading everything on the GPU: no host synchronisation. Given a
+``GraphedLaunches``, a launch over tensors it has seen before is replayed from a CUDA graph
+(``ops/graphed_launch.py``), which spares the host Triton's dispatch.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, triton_usable
+from gemma4_spec.ops.graphed_launch import GraphedLaunches, launch_key
 
 if HAS_TRITON:
     import triton
@@ -89,7 +92,11 @@ def stage_draft_inputs_reference(
 
 
 def stage_draft_inputs(
-    src: DraftStepSources, out: DraftStepBuffers, batch_size: int, size: int
+    src: DraftStepSources,
+    out: DraftStepBuffers,
+    batch_size: int,
+    size: int,
+    launches: GraphedLaunches | None = None,
 ) -> None:
     """``stage_draft_inputs_reference`` into the first ``size`` rows of ``out``. Block-table
     rows are copied up to the narrower of source and buffer (entries past a row's sequence are
@@ -103,6 +110,18 @@ def stage_draft_inputs(
             width = min(table.shape[1], rows.shape[1])
             table[:size, :width].copy_(rows[:, :width])
         return
+    if launches is None:
+        _launch_stage(src, out, batch_size, size)
+        return
+    key = launch_key(
+        src.next_token_ids, src.positions, src.hidden, src.rows, src.seq_lens, src.rejected,
+        *src.tables, out.input_ids, out.positions, out.hidden, out.seq_lens, *out.tables,
+        batch_size, size,
+    )  # fmt: skip
+    launches.run(key, lambda: _launch_stage(src, out, batch_size, size), out.hidden.device)
+
+
+def _launch_stage(src: DraftStepSources, out: DraftStepBuffers, batch_size: int, size: int) -> None:
     rejected = src.rejected if src.rejected is not None else src.seq_lens
     pairs = list(zip(src.tables, out.tables, strict=True))
     first = True

@@ -21,7 +21,9 @@ and ``N`` query tokens (padding included), token ``i`` becomes sequence ``i``:
   its length is 0).
 
 ``flatten_queries`` writes the same into preallocated buffers in one Triton launch (no host
-synchronisation, CUDA-graph capturable), reading the step's tensors on the GPU.
+synchronisation, CUDA-graph capturable), reading the step's tensors on the GPU. The runner hands
+every step the same input buffers, so the launch is replayed from a CUDA graph after its first
+use (``ops/graphed_launch.py``), which spares the host Triton's dispatch.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, triton_usable
+from gemma4_spec.ops.graphed_launch import GraphedLaunches, launch_key
 
 if HAS_TRITON:
     import triton
@@ -72,6 +75,7 @@ class FlatQueryBuffers:
         self.query_start_loc = torch.zeros(capacity + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(capacity, width, dtype=torch.int32, device=device)
+        self.launches = GraphedLaunches("query flattening")
 
 
 def flatten_queries(
@@ -99,11 +103,16 @@ def flatten_queries(
         lens.copy_(ref[1])
         table[:, :width].copy_(ref[2][:, :width])
         return starts, lens, table
-    _flatten_kernel[(num_tokens + 1, triton.cdiv(width, FLAT_BLOCK_W))](
-        query_start_loc, seq_lens, block_table, starts, lens, table,
-        num_reqs, num_tokens, width, block_table.stride(0), table.stride(0),
-        BLOCK_R=max(16, triton.next_power_of_2(num_reqs + 1)), BLOCK_W=FLAT_BLOCK_W,
-    )  # fmt: skip
+
+    def launch() -> None:
+        _flatten_kernel[(num_tokens + 1, triton.cdiv(width, FLAT_BLOCK_W))](
+            query_start_loc, seq_lens, block_table, starts, lens, table,
+            num_reqs, num_tokens, width, block_table.stride(0), table.stride(0),
+            BLOCK_R=max(16, triton.next_power_of_2(num_reqs + 1)), BLOCK_W=FLAT_BLOCK_W,
+        )  # fmt: skip
+
+    key = launch_key(query_start_loc, seq_lens, block_table, starts, num_tokens, width)
+    out.launches.run(key, launch, block_table.device)
     return starts, lens, table
 
 

@@ -127,6 +127,12 @@ def rewrites_of(builder: Any) -> int:
     return 0 if flat is None else flat.rewrites
 
 
+def flatten_replays_of(builder: Any) -> int:
+    """How many of this builder's query flattenings were replayed from a CUDA graph."""
+    flat = vars(builder).get(_STATE)
+    return 0 if flat is None or flat._buffers is None else flat._buffers.launches.replays
+
+
 def _make_flat_verify(builder: Any) -> FlatVerify | None:
     from vllm.config import CUDAGraphMode
 

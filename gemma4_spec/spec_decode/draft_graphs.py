@@ -43,6 +43,7 @@ from vllm.v1.utils import record_function_or_nullcontext as scope
 from gemma4_spec.compat import draft_metadata_rebuild_free
 from gemma4_spec.log import get_logger
 from gemma4_spec.ops.draft_inputs import DraftStepBuffers, DraftStepSources, stage_draft_inputs
+from gemma4_spec.ops.graphed_launch import GraphedLaunches
 
 if TYPE_CHECKING:
     from gemma4_spec.spec_decode.proposer import Gemma4Proposer
@@ -73,6 +74,9 @@ class DraftLoopGraphs:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool: Any = None
         self._buffers: DraftStepBuffers | None = None
+        # The staging launch reads tensors the runner allocates anew each step, usually at the
+        # same addresses again: a few graphs cover the steady state; past 16, it just launches.
+        self.staging = GraphedLaunches("draft-input staging", max_graphs=16)
         self._gids: tuple[int, ...] = ()  # the draft's KV cache groups, one table buffer each
         self._backends_checked = False
         self.rebuild_free = False  # replays skip the metadata rebuild (see compat)
@@ -151,7 +155,7 @@ class DraftLoopGraphs:
             buffers = self._buffers_for(sources, size)
             if buffers is None:
                 return None
-            stage_draft_inputs(sources, buffers, batch_size, size)
+            stage_draft_inputs(sources, buffers, batch_size, size, self.staging)
         hit = self._graphs.get((size, k))
         if hit is not None and self.rebuild_free:
             return self._replay(*hit, batch_size)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gemma4_spec.metrics import Acceptance, spec_metrics
-from gemma4_spec.patch.patch_triton_attn import rewrites_of
+from gemma4_spec.patch.patch_triton_attn import flatten_replays_of, rewrites_of
 
 # Values of RunResult.proposer_class: this plugin's proposer, and vLLM's own.
 PLUGIN_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
@@ -68,6 +68,8 @@ class RunResult:
     # Target attention builds whose verification batch ran as one-token sequences
     # (patch/patch_triton_attn.py), summed over the runner's attention builders.
     flat_verify_rewrites: int = 0
+    # Of their query flattenings, how many were replayed from CUDA graphs (ops/graphed_launch.py).
+    flat_verify_graph_replays: int = 0
 
     @property
     def acceptance(self) -> Acceptance:
@@ -141,6 +143,7 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     result.draft_loop_replays = worker["draft_loop_replays"]
     result.draft_loop_rebuild_free = worker["draft_loop_rebuild_free"]
     result.flat_verify_rewrites = worker["flat_verify_rewrites"]
+    result.flat_verify_graph_replays = worker["flat_verify_graph_replays"]
     del llm
     return result
 
@@ -155,6 +158,12 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
     drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
     sampler = getattr(drafter, "sampler", None)
     loops = getattr(drafter, "loop_graphs", None)
+    builders = [
+        builder
+        for groups in getattr(runner, "attn_groups", None) or []
+        for group in groups
+        for builder in group.metadata_builders
+    ]
     return {
         "runner_class": None if runner is None else _class_path(type(runner)),
         "drafter_class": None if drafter is None else _class_path(type(drafter)),
@@ -163,12 +172,8 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "draft_loop_graphs_off": None if loops is None else loops.disabled,
         "draft_loop_replays": 0 if loops is None else loops.replays,
         "draft_loop_rebuild_free": False if loops is None else loops.rebuild_free,
-        "flat_verify_rewrites": sum(
-            rewrites_of(builder)
-            for groups in getattr(runner, "attn_groups", None) or []
-            for group in groups
-            for builder in group.metadata_builders
-        ),
+        "flat_verify_rewrites": sum(rewrites_of(builder) for builder in builders),
+        "flat_verify_graph_replays": sum(flatten_replays_of(builder) for builder in builders),
     }
 
 

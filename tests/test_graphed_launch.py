@@ -1,0 +1,127 @@
+"""``gemma4_spec.ops.graphed_launch``: launches replayed from CUDA graphs by key, and the two
+launch sites that use it (query flattening, draft-input staging) giving the reference's values
+on replays after their inputs changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemma4_spec.ops.graphed_launch import GraphedLaunches, launch_key
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_key_names_tensors_by_address_shape_strides_and_dtype() -> None:
+    x = torch.zeros(4, 3)
+    assert launch_key(x, 5) == launch_key(x, 5)
+    assert launch_key(x, 5) != launch_key(x, 6)
+    assert launch_key(x) != launch_key(x[:2])  # same address, other shape
+    assert launch_key(x) != launch_key(x.t())  # other strides
+    assert launch_key(x) != launch_key(x.clone())  # other address
+    assert launch_key(None, "a") == (None, "a")
+
+
+def test_without_cuda_every_call_launches() -> None:
+    calls = []
+    launches = GraphedLaunches("test")
+    for _ in range(3):
+        launches.run(("k",), lambda: calls.append(1), torch.device("cpu"))
+    assert len(calls) == 3 and launches.captured == 0 and launches.replays == 0
+
+
+def _adder(x: torch.Tensor, out: torch.Tensor):  # type: ignore[no-untyped-def]
+    return lambda: torch.add(x, 1, out=out)
+
+
+@cuda
+def test_replays_a_captured_launch_with_the_inputs_of_the_moment() -> None:
+    x, out = torch.zeros(8, device="cuda"), torch.zeros(8, device="cuda")
+    launches = GraphedLaunches("test")
+    launches.run(launch_key(x, out), _adder(x, out), x.device)  # launched and captured
+    assert launches.captured == 1 and launches.replays == 0 and out.eq(1).all()
+    x.fill_(5)
+    launches.run(launch_key(x, out), _adder(x, out), x.device)
+    assert launches.replays == 1 and out.eq(6).all()
+    y = torch.full((8,), 10.0, device="cuda")  # another tensor: another key, another graph
+    launches.run(launch_key(y, out), _adder(y, out), y.device)
+    assert launches.captured == 2 and out.eq(11).all()
+
+
+@cuda
+def test_stops_capturing_at_its_limit_and_inside_another_capture() -> None:
+    out = torch.zeros(8, device="cuda")
+    launches = GraphedLaunches("test", max_graphs=2)
+    for value in range(4):
+        x = torch.full((8,), float(value), device="cuda")
+        launches.run(launch_key(x, out), _adder(x, out), x.device)
+        assert out.eq(value + 1).all()
+    assert launches.captured == 2
+
+    fresh = GraphedLaunches("test")
+    x = torch.zeros(8, device="cuda")
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        fresh.run(launch_key(x, out), _adder(x, out), x.device)
+    assert fresh.captured == 0  # the launch became part of the outer graph
+    x.fill_(41)
+    outer.replay()
+    assert out.eq(42).all()
+
+
+@cuda
+def test_a_failed_capture_turns_graphs_off_and_keeps_the_results() -> None:
+    out = torch.zeros(8, device="cuda")
+    launches = GraphedLaunches("test")
+    x = torch.zeros(8, device="cuda")
+
+    def syncs() -> None:  # a host synchronisation cannot be captured
+        torch.add(x, 1, out=out)
+        out.cpu()
+
+    launches.run(launch_key(x, out), syncs, x.device)
+    assert launches.disabled is not None and launches.captured == 0 and out.eq(1).all()
+    x.fill_(2)
+    launches.run(launch_key(x, out), syncs, x.device)  # launched as it is
+    assert out.eq(3).all()
+
+
+@cuda
+def test_flattening_replays_match_the_reference() -> None:
+    from gemma4_spec.ops.flat_queries import (
+        FlatQueryBuffers,
+        flatten_queries,
+        flatten_queries_reference,
+    )
+
+    qsl = torch.tensor([0, 3, 6], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([10, 7], dtype=torch.int32, device="cuda")
+    table = torch.randint(1, 99, (2, 8), dtype=torch.int32, device="cuda")
+    buffers = FlatQueryBuffers(16, 8, torch.device("cuda"))
+    for step in range(3):  # the runner's buffers, rewritten every step
+        seq_lens.add_(step)
+        table.add_(step)
+        got = flatten_queries(qsl, seq_lens, table, 6, buffers)
+        want = flatten_queries_reference(qsl, seq_lens, table, 6)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), step
+    assert buffers.launches.captured == 1 and buffers.launches.replays == 2
+
+
+@cuda
+def test_staging_replays_match_the_reference() -> None:
+    from test_draft_inputs import _random_step
+
+    from gemma4_spec.ops.draft_inputs import stage_draft_inputs, stage_draft_inputs_reference
+
+    src, out = _random_step(5, 8, 3, (40, 40), True, "cuda")
+    launches = GraphedLaunches("staging")
+    for step in range(3):
+        src.hidden.mul_(2)
+        src.seq_lens.add_(step)
+        stage_draft_inputs(src, out, 5, 8, launches)
+        want = stage_draft_inputs_reference(src, 5, 8)
+        assert torch.equal(out.hidden[:8], want.hidden), step
+        assert torch.equal(out.seq_lens[:8], want.seq_lens), step
+        assert torch.equal(out.tables[1][:8], want.tables[1]), step
+    assert launches.captured == 1 and launches.replays == 2
