@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, triton_usable
-from gemma4_spec.ops.graphed_launch import GraphedLaunches, launch_key
+from gemma4_spec.ops.graphed_launch import GraphedLaunches
 
 if HAS_TRITON:
     import triton
@@ -100,7 +100,8 @@ def stage_draft_inputs(
 ) -> None:
     """``stage_draft_inputs_reference`` into the first ``size`` rows of ``out``. Block-table
     rows are copied up to the narrower of source and buffer (entries past a row's sequence are
-    never read). Torch ops where Triton cannot run."""
+    never read). Torch ops where Triton cannot run. With ``launches``, ``out`` must be the same
+    buffers at every call (graphs replay into them)."""
     _check(src, out, batch_size, size)
     if not triton_usable(out.hidden.device):
         want = stage_draft_inputs_reference(src, batch_size, size)
@@ -113,10 +114,13 @@ def stage_draft_inputs(
     if launches is None:
         _launch_stage(src, out, batch_size, size)
         return
-    key = launch_key(
-        src.next_token_ids, src.positions, src.hidden, src.rows, src.seq_lens, src.rejected,
-        *src.tables, out.input_ids, out.positions, out.hidden, out.seq_lens, *out.tables,
-        batch_size, size,
+    # Everything the launches bake in but the outputs (the caller's fixed buffers).
+    key = (
+        batch_size, size, src.hidden.stride(0), src.rejected is None,
+        src.next_token_ids.data_ptr(), src.positions.data_ptr(), src.hidden.data_ptr(),
+        src.rows.data_ptr(), src.seq_lens.data_ptr(),
+        None if src.rejected is None else src.rejected.data_ptr(),
+        *((t.data_ptr(), t.stride(0), t.shape[1]) for t in src.tables),
     )  # fmt: skip
     launches.run(key, lambda: _launch_stage(src, out, batch_size, size), out.hidden.device)
 

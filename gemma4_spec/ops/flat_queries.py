@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, triton_usable
-from gemma4_spec.ops.graphed_launch import GraphedLaunches, launch_key
+from gemma4_spec.ops.graphed_launch import GraphedLaunches
 
 if HAS_TRITON:
     import triton
@@ -111,7 +111,11 @@ def flatten_queries(
             BLOCK_R=max(16, triton.next_power_of_2(num_reqs + 1)), BLOCK_W=FLAT_BLOCK_W,
         )  # fmt: skip
 
-    key = launch_key(query_start_loc, seq_lens, block_table, starts, num_tokens, width)
+    # Everything the launch bakes in (the outputs are ``out``'s own buffers, always the same).
+    key = (
+        query_start_loc.data_ptr(), seq_lens.data_ptr(), block_table.data_ptr(),
+        block_table.stride(0), num_reqs, num_tokens, width,
+    )  # fmt: skip
     out.launches.run(key, launch, block_table.device)
     return starts, lens, table
 

@@ -10,15 +10,18 @@ are on its critical path.
 ``GraphedLaunches.run(key, launch)`` runs ``launch`` (a callable that launches kernels over
 tensors it closes over) and, the first time a ``key`` is seen, also captures it in a CUDA graph;
 later calls with the same key replay that graph instead. The key must name everything the
-launch bakes in: every tensor's address, shape and strides, and every scalar argument
-(``launch_key`` builds one). Only where graphs can be captured: on CUDA, and not while the
-current stream is itself being captured (then the launch simply becomes part of that graph).
-At most ``max_graphs`` keys are captured; past that, or if a capture fails, launches run as
-they are.
+launch bakes in: the address of every tensor it reads or writes and every scalar kernel
+argument (strides and sizes included), the grid and compile-time choices. Keys are built by the
+launch sites from those alone, since Python-side key building costs the host too. Only where
+graphs can be captured and replayed: on CUDA, and not while the current stream is itself being
+captured (then the launch simply becomes part of that graph). At most ``max_graphs`` keys are
+captured; past that, or if a capture fails, launches run as they are.
+``GEMMA4_SPEC_GRAPHED_LAUNCHES=0`` turns the graphs off (every launch runs as it is).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable
 
 import torch
@@ -26,15 +29,7 @@ import torch
 from gemma4_spec.log import get_logger
 
 logger = get_logger(__name__)
-
-
-def launch_key(*parts: object) -> tuple[Hashable, ...]:
-    """A key for ``GraphedLaunches.run``: tensors by (address, shape, strides, dtype), other
-    parts as they are."""
-    return tuple(
-        (p.data_ptr(), tuple(p.shape), p.stride(), p.dtype) if isinstance(p, torch.Tensor) else p
-        for p in parts
-    )
+GRAPHED_LAUNCHES_ENV = "GEMMA4_SPEC_GRAPHED_LAUNCHES"
 
 
 class GraphedLaunches:
@@ -44,7 +39,8 @@ class GraphedLaunches:
         self.name = name
         self.max_graphs = max_graphs
         self.replays = 0
-        self.disabled: str | None = None
+        off = os.environ.get(GRAPHED_LAUNCHES_ENV, "1") == "0"
+        self.disabled: str | None = f"{GRAPHED_LAUNCHES_ENV}=0" if off else None
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
 
     @property
@@ -52,7 +48,11 @@ class GraphedLaunches:
         return len(self._graphs)
 
     def run(self, key: Hashable, launch: Callable[[], object], device: torch.device) -> None:
-        if device.type != "cuda" or self.disabled is not None:
+        if (
+            device.type != "cuda"
+            or self.disabled is not None
+            or torch.cuda.is_current_stream_capturing()  # no replay inside another capture
+        ):
             launch()
             return
         graph = self._graphs.get(key)
@@ -61,7 +61,7 @@ class GraphedLaunches:
             graph.replay()
             return
         launch()  # this call's results (and any compilation), as it is
-        if len(self._graphs) < self.max_graphs and not torch.cuda.is_current_stream_capturing():
+        if len(self._graphs) < self.max_graphs:
             self._capture(key, launch)
 
     def _capture(self, key: Hashable, launch: Callable[[], object]) -> None:
