@@ -11,7 +11,7 @@
 # Then, on the device, one call each, back to back (the machine forgets /tmp when it goes cold):
 #   1. kernels  (carry .devexp/parts/vllm-trim.tar.xz.part00): kernel tests + benchmark, no
 #               vLLM needed; also stages part00 for step 2 ('stage': only the draft-input
-#               staging kernel's test, in seconds)
+#               per-step launch kernels' tests and host costs, in seconds)
 #   2. vllm     (carry part01, .devexp/wheels, .devexp/tf, .devexp/ours): installs vLLM, then
 #               the verification-attention test and benchmark and the GPU engine test
 #   3. e2e      (no carry): the end-to-end benchmark (about 5 minutes; E2E_K=2 for k=2 only)
@@ -28,11 +28,14 @@ export VLLM_USE_FLASHINFER_SAMPLER=0
 if [ -d .devexp/pinned ]; then (cd .devexp/pinned && find . -type f) | while read -r f; do
     cp ".devexp/pinned/$f" "$f" && echo "pinned $f"; done; fi
 case "$step" in
-stage)  # step 1 without the argmax kernels: the draft-input staging kernel's test
+stage)  # step 1 without the argmax kernels: the per-step launch kernels' tests and host costs
     mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part00 /tmp/stage/
     export PYTHONPATH=$PWD
-    timeout 120 python3 -m pytest -q tests/test_draft_inputs.py > "$OUT/test_draft_inputs_cuda.log" 2>&1
-    echo "staging tests rc=$?"; tail -2 "$OUT/test_draft_inputs_cuda.log"
+    timeout 120 python3 -m pytest -q tests/test_draft_inputs.py tests/test_flat_queries.py \
+        tests/test_graphed_launch.py > "$OUT/test_launch_kernels_cuda.log" 2>&1
+    echo "launch kernel tests rc=$?"; tail -2 "$OUT/test_launch_kernels_cuda.log"
+    timeout 100 python3 benchmarks/launch_overhead.py 2>&1 | grep -v Warning \
+        | tee "$OUT/launch_overhead.log"
     ;;
 kernels)
     mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part00 /tmp/stage/
@@ -40,7 +43,7 @@ kernels)
     timeout 150 python3 benchmarks/centroid_argmax.py --tokens 1,2,3,4,8,16,32,64,256 \
         --reps 200 --json "$OUT/centroid_argmax.json" 2>&1 | tee "$OUT/centroid_argmax.log"
     timeout 200 python3 -m pytest -q tests/test_centroid_argmax_cuda.py tests/test_flat_queries.py \
-        tests/test_draft_inputs.py \
+        tests/test_draft_inputs.py tests/test_graphed_launch.py \
         > "$OUT/test_kernels_cuda.log" 2>&1
     echo "kernel tests rc=$?"; tail -3 "$OUT/test_kernels_cuda.log"
     ;;
