@@ -10,7 +10,7 @@
 #   pip wheel --no-deps --no-build-isolation -w .devexp/ours .  # for the plugin entry point
 # Then, on the device, one call each, back to back (the machine forgets /tmp when it goes cold):
 #   1. kernels  (carry .devexp/parts/vllm-trim.tar.xz.part00): kernel tests + benchmark, no
-#               vLLM needed; also stages part00 for step 2 ('stage': only the draft-input
+#               vLLM needed; also stages part00 for step 2 ('stage' instead: only the
 #               per-step launch kernels' tests and host costs, in seconds)
 #   2. vllm     (carry part01, .devexp/wheels, .devexp/tf, .devexp/ours): installs vLLM, then
 #               the verification-attention test and benchmark and the GPU engine test
