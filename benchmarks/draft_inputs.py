@@ -14,13 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from launch_overhead import host_us  # noqa: E402
 
 from gemma4_spec.ops.draft_inputs import (  # noqa: E402
     NULL_BLOCK_ID,
@@ -72,16 +74,9 @@ def make(batch: int, width: int) -> tuple[DraftStepSources, DraftStepBuffers]:
     return src, out
 
 
-def timed(fn: Callable[[], None], reps: int) -> tuple[float, float]:
+def timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
     """(host us per call, GPU us per call)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    cpu = time.process_time()
-    for _ in range(reps):
-        fn()
-    host = (time.process_time() - cpu) / reps * 1e6
-    torch.cuda.synchronize()
+    host = host_us(fn, reps)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):

@@ -33,6 +33,7 @@ from gemma4_spec.ops.graphed_launch import GraphedLaunches  # noqa: E402
 
 
 def host_us(fn: Callable[[], object], reps: int) -> float:
+    """Host CPU time per call of ``fn`` (the GPU runs behind it), after a warm-up."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
