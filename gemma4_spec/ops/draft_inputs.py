@@ -128,9 +128,9 @@ def stage_draft_inputs(
 def _launch_stage(src: DraftStepSources, out: DraftStepBuffers, batch_size: int, size: int) -> None:
     rejected = src.rejected if src.rejected is not None else src.seq_lens
     pairs = list(zip(src.tables, out.tables, strict=True))
-    first = True
-    while first or pairs:
-        chunk, pairs = pairs[:TABLES_PER_LAUNCH], pairs[TABLES_PER_LAUNCH:]
+    # The first launch stages the rows and two tables; each further one two more tables.
+    for start in range(0, max(len(pairs), 1), TABLES_PER_LAUNCH):
+        chunk = pairs[start : start + TABLES_PER_LAUNCH]
         t_args: list[object] = []
         for i in range(TABLES_PER_LAUNCH):
             if i < len(chunk):
@@ -143,10 +143,9 @@ def _launch_stage(src: DraftStepSources, out: DraftStepBuffers, batch_size: int,
             out.input_ids, out.positions, out.hidden, out.seq_lens,
             *t_args,
             batch_size, src.hidden.shape[1], src.hidden.stride(0), out.hidden.stride(0),
-            DO_ROWS=first, HAS_REJECTED=src.rejected is not None, NUM_TABLES=len(chunk),
+            DO_ROWS=start == 0, HAS_REJECTED=src.rejected is not None, NUM_TABLES=len(chunk),
             BLOCK=STAGE_BLOCK,
         )  # fmt: skip
-        first = False
 
 
 def _check(src: DraftStepSources, out: DraftStepBuffers, batch_size: int, size: int) -> None:
