@@ -7,9 +7,12 @@ step to a plain step is the pure cost of speculating; it must stay small for spe
 off with a real assistant. Every configuration is its own engine process (``VLLM_PLUGINS`` picks
 ours or the in-tree one); they start together, then are timed in rounds, taking turns. Each
 engine also reports its process CPU time and garbage-collection pauses per step: a CPU time
-close to the step time means the host bounds the step.
+close to the step time means the host bounds the step. With ``--scopes``, each engine also times
+the host's scopes of a step (``host_scopes.py``: engine, scheduler, runner, proposer).
 
     python benchmarks/e2e_decode.py --workdir /tmp/e2b --batch 1,8,32 --k 2,4 --json e2e.json
+    python benchmarks/e2e_decode.py --workdir /tmp/e2b --batch 1,8 --k 2 --scopes \
+        --only "plain (V1),ours k=2 (V1)"
 """
 
 from __future__ import annotations
@@ -90,6 +93,11 @@ def _worker(args: argparse.Namespace) -> None:
 
     control = Path(args.control)
     llm = LLM(**engine_kwargs(args.workdir, args.spec_tokens))
+    if args.scopes:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import host_scopes
+
+        host_scopes.install()
     rng = random.Random(0)
     batches = [int(b) for b in args.batch.split(",")]
     prompts = {
@@ -107,15 +115,19 @@ def _worker(args: argparse.Namespace) -> None:
         else:
             gc_pauses.append(time.perf_counter() - gc_started[0])
 
-    def run(batch: int, tokens: int) -> tuple[float, float, float]:
-        """(wall s, process CPU s, GC pause s) of generating ``tokens`` per prompt."""
+    def run(batch: int, tokens: int) -> tuple[float, float, float, dict[str, Any]]:
+        """(wall s, process CPU s, GC pause s, host scope totals) of generating ``tokens`` per
+        prompt."""
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         gc_pauses.clear()
+        scopes = host_scopes.snapshot() if args.scopes else {}
         cpu = time.process_time()
         start = time.perf_counter()
         llm.generate(prompts[batch], params, use_tqdm=False)
         wall = time.perf_counter() - start
-        return wall, time.process_time() - cpu, sum(gc_pauses)
+        cpu = time.process_time() - cpu
+        scopes = host_scopes.delta(scopes, host_scopes.snapshot()) if args.scopes else {}
+        return wall, cpu, sum(gc_pauses), scopes
 
     for b in batches:  # warm-up (also captures anything captured on first use)
         run(b, 8)
@@ -129,6 +141,7 @@ def _worker(args: argparse.Namespace) -> None:
     step_ms: dict[int, list[float]] = {b: [] for b in batches}
     cpu_ms: dict[int, list[float]] = {b: [] for b in batches}
     gc_ms: dict[int, list[float]] = {b: [] for b in batches}
+    scope_ms: dict[int, list[dict[str, list[float]]]] = {b: [] for b in batches}
     before = spec_metrics(llm.get_metrics())
     gc.callbacks.append(on_gc)
     for rnd in range(REPEATS):
@@ -140,6 +153,8 @@ def _worker(args: argparse.Namespace) -> None:
             step_ms[b].append((full[0] - prefill[0]) / NEW_TOKENS * 1e3)
             cpu_ms[b].append((full[1] - prefill[1]) / NEW_TOKENS * 1e3)
             gc_ms[b].append((full[2] - prefill[2]) / NEW_TOKENS * 1e3)
+            if args.scopes:
+                scope_ms[b].append(host_scopes.per_step(full[3], prefill[3], NEW_TOKENS))
         (control / f"{args.index}.done{rnd}").touch()
     gc.callbacks.remove(on_gc)
     acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
@@ -153,6 +168,12 @@ def _worker(args: argparse.Namespace) -> None:
         }
         for b in batches
     }
+    if args.scopes:  # median over the rounds of each scope's [calls, wall ms, CPU ms]
+        for b in batches:
+            results[str(b)]["scopes"] = {
+                name: [statistics.median(r[name][i] for r in scope_ms[b]) for i in range(3)]
+                for name in scope_ms[b][0]
+            }
     Path(args.out).write_text(json.dumps(results))
 
 
@@ -170,6 +191,7 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     parser.add_argument("--start-timeout", type=float, default=420)
+    parser.add_argument("--scopes", action="store_true", help="time the host's scopes too")
     # internal: worker mode
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
@@ -209,7 +231,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--worker", "--workdir", args.workdir, "--control",
                str(control), "--index", str(i), "--out", str(control / f"{i}.json"),
                "--batch", args.batch, "--spec-tokens", str(config["k"]),
-               "--start-timeout", str(args.start_timeout)]  # fmt: skip
+               "--start-timeout", str(args.start_timeout)] + ["--scopes"] * args.scopes  # fmt: skip
         procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
 
     deadline = time.monotonic() + args.start_timeout
@@ -281,6 +303,24 @@ def _print_table(results: dict[str, Any]) -> None:
                 for b in batches
             ]
             print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
+    for name, per_batch in results.items():
+        if "scopes" in per_batch[batches[0]]:
+            _print_scopes(name, per_batch, batches)
+
+
+def _print_scopes(name: str, per_batch: dict[str, Any], batches: list[str]) -> None:
+    """One engine's host scopes per decode step (``host_scopes.py``), indented by nesting."""
+    from host_scopes import depth_of
+
+    print(f"\n{name}: host scopes per decode step, ms: wall / thread CPU (calls)")
+    print(f"{'scope':80}" + "".join(f"{'B=' + b:>24}" for b in batches))
+    for scope in per_batch[batches[0]]["scopes"]:
+        label = "  " * depth_of(scope) + scope
+        cells = []
+        for b in batches:
+            calls, wall, cpu = per_batch[b]["scopes"].get(scope, (0.0, 0.0, 0.0))
+            cells.append(f"{wall:6.3f} / {cpu:6.3f} ({calls:3.1f})")
+        print(f"{label:80}" + "".join(f"{c:>24}" for c in cells))
 
 
 if __name__ == "__main__":
