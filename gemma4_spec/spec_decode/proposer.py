@@ -46,6 +46,7 @@ from gemma4_spec.log import get_logger
 from gemma4_spec.spec_decode.draft_graphs import DraftLoopGraphs, loop_graph_size
 from gemma4_spec.spec_decode.kv_scales import share_kv_scales
 from gemma4_spec.spec_decode.sampler_graphs import GraphedGreedySampler
+from gemma4_spec.spec_decode.verify_metadata import VerifyMetadataBuilder, verify_metadata_enabled
 
 logger = get_logger(__name__)
 # Set to 0 to sample drafts eagerly (no CUDA graph of the sampling).
@@ -61,6 +62,9 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         self.sampler: GraphedGreedySampler | None = None
         # Whole greedy draft loops from CUDA graphs (made at the first propose).
         self.loop_graphs: DraftLoopGraphs | None = None
+        # The runner's verification index arrays, built in one transfer (the runner asks it
+        # through patch/patch_gpu_model_runner.py; None: vLLM builds them).
+        self.verify_metadata = VerifyMetadataBuilder(device) if verify_metadata_enabled() else None
 
     # The runner hands over each KV cache group's block table before proposing.
     def set_per_group_block_table(self, gid: int, block_table: torch.Tensor) -> None:
