@@ -13,7 +13,8 @@
 #               vLLM needed; also stages part00 for step 2 ('stage' instead: only the
 #               per-step launch kernels' tests and host costs, in seconds)
 #   2. vllm     (carry part01, .devexp/wheels, .devexp/tf, .devexp/ours): installs vLLM, then
-#               the verification-attention test and benchmark and the GPU engine test
+#               the verification tests (attention, index arrays, greedy verification), their
+#               benchmarks and the GPU engine test
 #   3. e2e      (no carry): the end-to-end benchmark (about 5 minutes; E2E_K=2 for k=2 only;
 #               E2E_ONLY=<name prefixes> picks engines; E2E_SCOPES=1 times host scopes;
 #               E2E_TAIL=<lines> of the log shown)
@@ -34,7 +35,8 @@ stage)  # step 1 without the argmax kernels: the per-step launch kernels' tests 
     mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part00 /tmp/stage/
     export PYTHONPATH=$PWD
     timeout 120 python3 -m pytest -q tests/test_draft_inputs.py tests/test_flat_queries.py \
-        tests/test_graphed_launch.py > "$OUT/test_launch_kernels_cuda.log" 2>&1
+        tests/test_graphed_launch.py "tests/test_greedy_verify.py::test_kernel_matches_reference_cuda" \
+        > "$OUT/test_launch_kernels_cuda.log" 2>&1
     echo "launch kernel tests rc=$?"; tail -2 "$OUT/test_launch_kernels_cuda.log"
     timeout 100 python3 benchmarks/launch_overhead.py 2>&1 | grep -v Warning \
         | tee "$OUT/launch_overhead.log"
@@ -61,8 +63,11 @@ vllm|install)  # install alone: vLLM without the tests (then e2e in the same cal
     [ "$step" = install ] && exit 0
     timeout 100 python3 benchmarks/draft_inputs.py --json "$OUT/draft_inputs.json" 2>&1 \
         | grep -v Warning  # imports the draft-graph sizes, hence vLLM
-    timeout 100 python3 -m pytest -q tests/test_flat_verify_cuda.py > "$OUT/test_flat_verify_cuda.log" 2>&1
-    echo "verify attention test rc=$?"; tail -2 "$OUT/test_flat_verify_cuda.log"
+    timeout 100 python3 -m pytest -q tests/test_flat_verify_cuda.py tests/test_verify_metadata.py \
+        tests/test_greedy_verify.py > "$OUT/test_verify_cuda.log" 2>&1
+    echo "verification tests rc=$?"; tail -2 "$OUT/test_verify_cuda.log"
+    timeout 100 python3 benchmarks/verify_step.py --json "$OUT/verify_step.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/verify_step.log"
     timeout 100 python3 benchmarks/verify_attention.py --json "$OUT/verify_attention.json" \
         2>&1 | tee "$OUT/verify_attention.log" | grep -v Warning
     timeout 360 python3 -m pytest -q -x tests/test_gpu_engine.py > "$OUT/test_gpu_engine.log" 2>&1

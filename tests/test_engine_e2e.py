@@ -119,6 +119,19 @@ def test_greedy_output_equals_no_speculation(runs, kind: str, k: int) -> None:  
 
 @pytest.mark.parametrize("kind", ["centroids", "full-vocab"])
 @pytest.mark.parametrize("k", SPEC_TOKENS)
+def test_greedy_verification_took_the_plugin_paths(runs, kind: str, k: int) -> None:  # type: ignore[no-untyped-def]
+    # The equal-output test above ran through these: the runner's verification index arrays
+    # from our builder, the greedy batches verified without vLLM's rejection sampler.
+    spec = runs[f"{kind}-k{k}"]
+    assert spec.verify_metadata_builds > 0
+    assert spec.greedy_verify_batches > 0
+    # Sampling at a temperature goes through vLLM's rejection sampler.
+    assert runs["centroids-k3-sampled"].greedy_verify_batches == 0
+    assert runs["centroids-k3-sampled"].verify_metadata_builds > 0
+
+
+@pytest.mark.parametrize("kind", ["centroids", "full-vocab"])
+@pytest.mark.parametrize("k", SPEC_TOKENS)
 def test_counters_are_consistent(runs, kind: str, k: int) -> None:  # type: ignore[no-untyped-def]
     m = runs[f"{kind}-k{k}"].spec_metrics
     drafts = m["vllm:spec_decode_num_drafts"]

@@ -118,3 +118,12 @@ def test_verification_attention_ran_as_one_token_sequences(runs, target: str) ->
     assert runs[f"{target}-plain"].flat_verify_rewrites == 0
     # After its first step, each builder's flattening replays from a CUDA graph.
     assert runs[f"{target}-ours"].flat_verify_graph_replays > 0
+
+
+@pytest.mark.parametrize("target", ["tiny", "e2b"])
+def test_verification_took_the_plugin_paths(runs, target: str) -> None:  # type: ignore[no-untyped-def]
+    # The equal-output test ran through these: verification index arrays in one transfer
+    # (spec_decode/verify_metadata.py), greedy batches verified by one argmax and one kernel
+    # (patch/patch_rejection_sampler.py).
+    assert runs[f"{target}-ours"].verify_metadata_builds > 0
+    assert runs[f"{target}-ours"].greedy_verify_batches > 0

@@ -27,6 +27,7 @@ from gemma4_spec.patch import (
     hooks,
     patch_engine_args,
     patch_gpu_model_runner,
+    patch_rejection_sampler,
     patch_triton_attn,
     patch_vllm_config,
 )
@@ -98,12 +99,14 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_gpu_model_runner.RUNNER_MODULE,
         patch_vllm_config.CONFIG_MODULE,
         patch_triton_attn.TRITON_ATTN_MODULE,
+        patch_rejection_sampler.REJECTION_SAMPLER_MODULE,
     ]
     assert [cb for _, cb in fresh_plugin["when_imported"]] == [
         patch_engine_args.apply,
         patch_gpu_model_runner.apply,
         patch_vllm_config.apply,
         patch_triton_attn.apply,
+        patch_rejection_sampler.apply,
     ]
     entry = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
     assert f"{entry.module_name}:{entry.class_name}" == plugin.MODEL_CLASS

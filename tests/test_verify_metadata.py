@@ -5,7 +5,6 @@ routes to it."""
 
 from __future__ import annotations
 
-import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from gemma4_spec.spec_decode.verify_metadata import VerifyMetadataBuilder, verify_index_arrays
+from gemma4_spec.testing.verify_step import runner_state, vllm_spec_decode_metadata
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FIELDS = (
@@ -39,21 +39,6 @@ def test_hand_worked_step() -> None:
     assert got["draft_positions"].tolist() == [1, 2, 3, 105, 106]
 
 
-def _vllm_runner(device: str, input_ids: torch.Tensor, capacity: int) -> SimpleNamespace:
-    """Just what vLLM's ``_calc_spec_decode_metadata`` reads of its runner."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    runner = SimpleNamespace(
-        device=torch.device(device),
-        arange_np=np.arange(capacity, dtype=np.int64),
-        _arange_scratch=np.zeros(capacity, dtype=np.int64),
-        input_ids=SimpleNamespace(gpu=input_ids),
-    )
-    runner._get_cumsum_and_arange = functools.partial(GPUModelRunner._get_cumsum_and_arange, runner)
-    runner.calc = functools.partial(GPUModelRunner._calc_spec_decode_metadata, runner)
-    return runner
-
-
 def _random_step(rng: np.random.Generator, batch: int) -> tuple[np.ndarray, np.ndarray]:
     drafts = rng.integers(0, 5, batch).astype(np.int32)
     drafts[rng.integers(0, batch)] = max(1, drafts.max())  # at least one request drafted
@@ -69,14 +54,14 @@ def test_matches_vllm(device: str) -> None:
 
     rng = np.random.default_rng(0)
     input_ids = torch.randint(0, 1000, (4096,), dtype=torch.int32, device=device)
-    vllm_runner = _vllm_runner(device, input_ids, 4096)
+    vllm_calc = vllm_spec_decode_metadata(device, input_ids, 4096)
     builder = VerifyMetadataBuilder(torch.device(device))
     kept = []
     for step in range(60):
         drafts, cu_scheduled = _random_step(rng, int(rng.integers(1, 40)))
         if step % 2:  # the int32 cumulative counts some callers pass
             cu_scheduled = cu_scheduled.astype(np.int32)
-        want = vllm_runner.calc(drafts, cu_scheduled)
+        want = vllm_calc(drafts, cu_scheduled)
         got = builder.build(drafts, cu_scheduled, input_ids)
         assert isinstance(got, SpecDecodeMetadata)
         assert got.num_draft_tokens == want.num_draft_tokens
@@ -110,9 +95,9 @@ def test_runner_routes_to_our_builder_only_for_our_drafter() -> None:
             Recording.calls += 1
             return super().build(*args, **kwargs)
 
-    ours = _vllm_runner("cpu", input_ids, 64)
+    ours = runner_state("cpu", input_ids, 64)
     ours.drafter = SimpleNamespace(verify_metadata=Recording(torch.device("cpu")))
-    other = _vllm_runner("cpu", input_ids, 64)
+    other = runner_state("cpu", input_ids, 64)
     other.drafter = SimpleNamespace()  # e.g. an EAGLE proposer: vLLM's method
     got, want = calc(ours, drafts, cu), calc(other, drafts, cu)
     assert Recording.calls == 1

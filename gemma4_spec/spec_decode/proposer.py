@@ -43,6 +43,11 @@ from vllm.v1.worker.utils import AttentionGroup
 
 from gemma4_spec.compat import build_drafting_metadata
 from gemma4_spec.log import get_logger
+from gemma4_spec.patch.patch_rejection_sampler import (
+    GREEDY_VERIFY_ATTR,
+    GreedyVerifyStats,
+    greedy_verify_enabled,
+)
 from gemma4_spec.spec_decode.draft_graphs import DraftLoopGraphs, loop_graph_size
 from gemma4_spec.spec_decode.kv_scales import share_kv_scales
 from gemma4_spec.spec_decode.sampler_graphs import GraphedGreedySampler
@@ -56,6 +61,7 @@ SAMPLER_GRAPHS_ENV = "GEMMA4_SPEC_SAMPLER_GRAPHS"
 class Gemma4Proposer(SpecDecodeBaseProposer):
     def __init__(self, vllm_config: VllmConfig, device: torch.device, runner=None) -> None:
         super().__init__(vllm_config, device, pass_hidden_states_to_model=True, runner=runner)
+        self._runner = runner
         # KV cache group id -> that group's block table for the current step (set by the runner).
         self._block_tables: dict[int, torch.Tensor] = {}
         # Greedy sampling from CUDA graphs, captured with the runner's drafter graphs.
@@ -303,6 +309,10 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         super().load_model(target_model)
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         share_kv_scales(self._draft_attn_layer_names, layers)
+        # The runner's rejection sampler exists by now: let it verify greedy batches itself.
+        sampler = getattr(self._runner, "rejection_sampler", None)
+        if sampler is not None and greedy_verify_enabled():
+            setattr(sampler, GREEDY_VERIFY_ATTR, GreedyVerifyStats())
 
     def _maybe_share_lm_head(self, target_language_model: nn.Module) -> None:
         """The assistant keeps its own draft-width lm_head (the target's is backbone-width)."""

@@ -77,6 +77,7 @@ class VerifyMetadataBuilder:
         self._pin = device.type == "cuda"
         self._host = torch.empty(0, dtype=torch.uint8)
         self._device = torch.empty(0, dtype=torch.uint8, device=device)
+        self.builds = 0
 
     def _room(self, nbytes: int) -> None:
         if self._host.numel() >= nbytes:
@@ -93,6 +94,7 @@ class VerifyMetadataBuilder:
     ) -> SpecDecodeMetadata:
         """vLLM's ``SpecDecodeMetadata`` for one step; ``input_ids`` are the step's flattened
         input token ids on the device (the runner's ``input_ids.gpu``)."""
+        self.builds += 1
         arrays = verify_index_arrays(num_draft_tokens, cu_num_scheduled_tokens)
         # Widest dtypes first, so that every array starts aligned for its own dtype.
         order = sorted(arrays, key=lambda name: -arrays[name].itemsize)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gemma4_spec.metrics import Acceptance, spec_metrics
+from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
 from gemma4_spec.patch.patch_triton_attn import flatten_replays_of, rewrites_of
 
 # Values of RunResult.proposer_class: this plugin's proposer, and vLLM's own.
@@ -70,6 +71,10 @@ class RunResult:
     flat_verify_rewrites: int = 0
     # Of their query flattenings, how many were replayed from CUDA graphs (ops/graphed_launch.py).
     flat_verify_graph_replays: int = 0
+    # Verification steps whose index arrays our builder made (spec_decode/verify_metadata.py),
+    # and greedy batches verified without vLLM's rejection sampler (patch_rejection_sampler.py).
+    verify_metadata_builds: int = 0
+    greedy_verify_batches: int = 0
 
     @property
     def acceptance(self) -> Acceptance:
@@ -144,6 +149,8 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     result.draft_loop_rebuild_free = worker["draft_loop_rebuild_free"]
     result.flat_verify_rewrites = worker["flat_verify_rewrites"]
     result.flat_verify_graph_replays = worker["flat_verify_graph_replays"]
+    result.verify_metadata_builds = worker["verify_metadata_builds"]
+    result.greedy_verify_batches = worker["greedy_verify_batches"]
     del llm
     return result
 
@@ -158,6 +165,8 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
     drafter = getattr(runner, "drafter", None) or getattr(runner, "speculator", None)
     sampler = getattr(drafter, "sampler", None)
     loops = getattr(drafter, "loop_graphs", None)
+    verify_metadata = getattr(drafter, "verify_metadata", None)
+    greedy = getattr(getattr(runner, "rejection_sampler", None), GREEDY_VERIFY_ATTR, None)
     builders = [
         builder
         for groups in getattr(runner, "attn_groups", None) or []
@@ -174,6 +183,8 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "draft_loop_rebuild_free": False if loops is None else loops.rebuild_free,
         "flat_verify_rewrites": sum(rewrites_of(builder) for builder in builders),
         "flat_verify_graph_replays": sum(flatten_replays_of(builder) for builder in builders),
+        "verify_metadata_builds": 0 if verify_metadata is None else verify_metadata.builds,
+        "greedy_verify_batches": 0 if greedy is None else greedy.batches,
     }
 
 

@@ -1,0 +1,90 @@
+"""Greedy verification: which drafts the target accepts, and the token it adds.
+
+A verification step scores, for request ``i`` with ``n_i`` drafts, ``n_i + 1`` logits rows in a
+row: one before each draft and one after the last (the bonus row). Rows are numbered over all
+requests in order, so request ``i`` starts at row ``D_i + i``, where ``D_i`` is the number of
+drafts of the requests before it (``cu_num_draft_tokens[i - 1]``).
+
+``greedy_verify_reference`` is the definition. ``best`` holds the target's greedy token of every
+row. Request ``i`` takes its rows' tokens, in order, while they equal its drafts; the first
+token that differs is taken too (the target's correction) and ends the request's tokens; if
+every draft matched, the bonus row's token follows them. Output ``[R, max_drafts + 1]`` int32,
+``-1`` after each request's last token. This is what vLLM's rejection sampler outputs for an
+all-greedy batch with nothing that changes the logits (``patch/patch_rejection_sampler.py``
+checks that).
+
+``greedy_verify`` is the same in one Triton launch on CUDA (the reference elsewhere).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, triton_usable
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+# vLLM's placeholder for "no token" in its sampled-token output.
+NO_TOKEN = -1
+
+
+def greedy_verify_reference(
+    best: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    max_drafts: int,
+) -> torch.Tensor:
+    """``best`` [sum(n_i + 1)] the target's token per logits row, ``draft_token_ids``
+    [sum(n_i)], ``cu_num_draft_tokens`` [R]: each request's tokens ``[R, max_drafts + 1]``."""
+    ends = cu_num_draft_tokens.tolist()
+    best_list, drafts = best.tolist(), draft_token_ids.tolist()
+    out = torch.full((len(ends), max_drafts + 1), NO_TOKEN, dtype=torch.int32)
+    start = 0
+    for i, end in enumerate(ends):
+        row = start + i
+        for j in range(end - start + 1):
+            out[i, j] = best_list[row + j]
+            if j == end - start or drafts[start + j] != best_list[row + j]:
+                break
+        start = end
+    return out.to(best.device)
+
+
+def greedy_verify(
+    best: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    max_drafts: int,
+) -> torch.Tensor:
+    """``greedy_verify_reference``, in one launch where Triton runs."""
+    if not triton_usable(best.device):
+        return greedy_verify_reference(best, draft_token_ids, cu_num_draft_tokens, max_drafts)
+    num_reqs = cu_num_draft_tokens.shape[0]
+    out = torch.empty((num_reqs, max_drafts + 1), dtype=torch.int32, device=best.device)
+    _verify_kernel[(num_reqs,)](
+        best, draft_token_ids, cu_num_draft_tokens, out, max_drafts + 1,
+        BLOCK=triton.next_power_of_2(max_drafts + 1),
+    )  # fmt: skip
+    return out
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _verify_kernel(best_ptr, drafts_ptr, cu_drafts_ptr, out_ptr, width, BLOCK: tl.constexpr):
+        """Program i: request i's row of the output (-1: no token, as NO_TOKEN)."""
+        i = tl.program_id(0)
+        start = tl.load(cu_drafts_ptr + i - 1, mask=i > 0, other=0)
+        n = tl.load(cu_drafts_ptr + i) - start
+        j = tl.arange(0, BLOCK)
+        is_row = j <= n
+        token = tl.load(best_ptr + start + i + j, mask=is_row, other=-1)
+        draft = tl.load(drafts_ptr + start + j, mask=j < n, other=-1)
+        # Draft j is kept while it and every draft before it match; the tokens kept are rows
+        # 0..m, m = the first mismatch (or n, the bonus row, if none).
+        miss = (j < n) & (draft != token)
+        first_miss = tl.min(tl.where(miss, j, n), axis=0)
+        keep = j <= first_miss
+        tl.store(out_ptr + i * width + j, tl.where(keep, token, -1), mask=j < width)
