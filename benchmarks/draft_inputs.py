@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch_overhead import host_us  # noqa: E402
+from launch_overhead import gpu_us, host_us  # noqa: E402
 
 from gemma4_spec.ops.draft_inputs import (  # noqa: E402
     NULL_BLOCK_ID,
@@ -76,14 +76,7 @@ def make(batch: int, width: int) -> tuple[DraftStepSources, DraftStepBuffers]:
 
 def timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
     """(host us per call, GPU us per call)."""
-    host = host_us(fn, reps)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return host, start.elapsed_time(end) / reps * 1e3
+    return host_us(fn, reps), gpu_us(fn, reps)
 
 
 def main() -> None:

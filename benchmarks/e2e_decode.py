@@ -69,15 +69,19 @@ def configurations(ks: list[int]) -> dict[str, dict[str, Any]]:
         configs[f"ours k={k} (V1)"] = {"env": {}, "k": k}
     # A/B of ours at the first k (last, so the engines above keep their compile-cache indices):
     # with vLLM's own verification attention (patch_triton_attn off), and with vLLM's own
-    # verification index arrays and rejection sampler (verify_metadata and
+    # verification inputs and rejection sampler (verify_metadata, verify_input_ids and
     # patch_rejection_sampler off). GEMMA4_SPEC_GRAPHED_LAUNCHES=0 (per-step kernels launched as
     # they are) made no difference beyond the noise at 56be685 and is not run.
     configs[f"ours k={ks[0]} (V1, vLLM verify attn)"] = {
         "env": {"GEMMA4_SPEC_FLAT_VERIFY": "0"},
         "k": ks[0],
     }
-    configs[f"ours k={ks[0]} (V1, vLLM sampler+index)"] = {
-        "env": {"GEMMA4_SPEC_VERIFY_METADATA": "0", "GEMMA4_SPEC_GREEDY_VERIFY": "0"},
+    configs[f"ours k={ks[0]} (V1, vLLM sampler+inputs)"] = {
+        "env": {
+            "GEMMA4_SPEC_VERIFY_METADATA": "0",
+            "GEMMA4_SPEC_VERIFY_INPUT_IDS": "0",
+            "GEMMA4_SPEC_GREEDY_VERIFY": "0",
+        },
         "k": ks[0],
     }
     return configs
@@ -294,6 +298,17 @@ def _print_table(results: dict[str, Any]) -> None:
                 f"{ms:6.3f} {own:4.2f}x/{ratio:4.2f}x"
                 + (f" a={acc:.2f}" if acc is not None else "")
             )
+        print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
+    # Round-to-round spread: ours has varied far more than plain or in-tree between rounds.
+    print("\nper round, ms: fastest - slowest (fastest x same-runner plain's fastest)")
+    print(f"{'configuration':26}" + "".join(f"{'B=' + b:>26}" for b in batches))
+    for name, per_batch in results.items():
+        same = plain["V1" if "(V1" in name else "V2"] or default
+        cells = []
+        for b in batches:
+            rounds = per_batch[b]["step_ms_all"]
+            best = min(rounds) / min(results[same][b]["step_ms_all"])
+            cells.append(f"{min(rounds):6.3f} - {max(rounds):6.3f} ({best:4.2f}x)")
         print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
     if all("cpu_ms_all" in results[n][b] for n in results for b in batches):
         print("\nper step, ms, median of the rounds: process CPU time / garbage-collection pauses")

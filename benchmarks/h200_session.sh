@@ -64,7 +64,7 @@ vllm|install)  # install alone: vLLM without the tests (then e2e in the same cal
     timeout 100 python3 benchmarks/draft_inputs.py --json "$OUT/draft_inputs.json" 2>&1 \
         | grep -v Warning  # imports the draft-graph sizes, hence vLLM
     timeout 100 python3 -m pytest -q tests/test_flat_verify_cuda.py tests/test_verify_metadata.py \
-        tests/test_greedy_verify.py > "$OUT/test_verify_cuda.log" 2>&1
+        tests/test_verify_input_ids.py tests/test_greedy_verify.py > "$OUT/test_verify_cuda.log" 2>&1
     echo "verification tests rc=$?"; tail -2 "$OUT/test_verify_cuda.log"
     timeout 100 python3 benchmarks/verify_step.py --json "$OUT/verify_step.json" 2>&1 \
         | grep -v Warning | tee "$OUT/verify_step.log"

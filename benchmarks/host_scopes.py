@@ -30,12 +30,16 @@ SCOPES: tuple[tuple[int, str], ...] = (
     (2, "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model"),
     (3, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._update_states"),
     (3, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_inputs"),
+    (4, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._prepare_input_ids"),
     (4, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._calc_spec_decode_metadata"),
     (3, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._determine_batch_execution_and_padding"),
     (3, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._build_attention_metadata"),
     (4, "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadataBuilder.build"),
     (3, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._preprocess"),
     (3, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward"),
+    # After the forward's launch: waits for the previous step's accepted counts (a spinning
+    # event wait: it counts as CPU time).
+    (3, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_valid_sampled_token_count"),
     (2, "vllm.v1.worker.gpu_model_runner:GPUModelRunner.sample_tokens"),
     (3, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample"),
     (4, "vllm.v1.sample.rejection_sampler:RejectionSampler.forward"),
@@ -67,6 +71,13 @@ SCOPES: tuple[tuple[int, str], ...] = (
     ),
     (2, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.take_draft_token_ids"),
     (1, "vllm.v1.engine.output_processor:OutputProcessor.process_outputs"),
+    # Waits for the GPU, wherever they happen (inside the scopes above). CUDA's default event
+    # synchronization spins, so a wait counts as thread CPU time too: these say how much of
+    # the scopes' CPU time was waiting rather than work.
+    (0, "torch.cuda.streams:Event.synchronize"),
+    (0, "torch.cuda.streams:Stream.synchronize"),
+    (0, "torch:Tensor.tolist"),
+    (0, "torch:Tensor.item"),
 )
 
 # name -> [calls, wall ns, thread-CPU ns]
@@ -108,7 +119,7 @@ def install() -> list[str]:
         except (ImportError, AttributeError):
             continue
         fn = inspect.getattr_static(cls, method, None)
-        if fn is None or not inspect.isfunction(fn):
+        if fn is None or not (inspect.isfunction(fn) or inspect.ismethoddescriptor(fn)):
             continue  # absent here, or a static/class method (none of those are listed)
         setattr(cls, method, _timed(_name(spec), fn))
         installed.append(_name(spec))

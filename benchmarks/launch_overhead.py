@@ -45,6 +45,17 @@ def host_us(fn: Callable[[], object], reps: int) -> float:
     return spent / reps * 1e6
 
 
+def gpu_us(fn: Callable[[], object], reps: int) -> float:
+    """GPU time per call of ``fn``, timed with CUDA events around ``reps`` calls."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps * 1e3
+
+
 def graphed(fn: Callable[[], object]) -> Callable[[], object]:
     fn()  # compile outside the capture
     torch.cuda.synchronize()

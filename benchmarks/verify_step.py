@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from launch_overhead import host_us  # noqa: E402
+from launch_overhead import gpu_us, host_us  # noqa: E402
 
 from gemma4_spec.ops.greedy_verify import greedy_verify_reference  # noqa: E402
 from gemma4_spec.spec_decode.verify_metadata import VerifyMetadataBuilder  # noqa: E402
@@ -37,16 +37,6 @@ from gemma4_spec.testing.verify_step import (  # noqa: E402
 )
 
 VOCAB = 262144
-
-
-def gpu_us(fn: Callable[[], object], reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps * 1e3
 
 
 def main() -> None:

@@ -124,6 +124,9 @@ def test_verification_attention_ran_as_one_token_sequences(runs, target: str) ->
 def test_verification_took_the_plugin_paths(runs, target: str) -> None:  # type: ignore[no-untyped-def]
     # The equal-output test ran through these: verification index arrays in one transfer
     # (spec_decode/verify_metadata.py), greedy batches verified by one argmax and one kernel
-    # (patch/patch_rejection_sampler.py).
+    # (patch/patch_rejection_sampler.py), carried tokens written from one transfer.
     assert runs[f"{target}-ours"].verify_metadata_builds > 0
     assert runs[f"{target}-ours"].greedy_verify_batches > 0
+    # Async scheduling (on by default on CUDA): the carried tokens went through our writer
+    # (spec_decode/verify_input_ids.py).
+    assert runs[f"{target}-ours"].verify_input_ids_writes > 0

@@ -14,6 +14,19 @@ from types import ModuleType
 
 Callback = Callable[[ModuleType], None]
 _pending: dict[str, list[Callback]] = {}
+# Set on the functions our patches put in vLLM's place, so that a second apply sees them.
+_OURS = "gemma4_spec"
+
+
+def ours(fn: Callable[..., object]) -> Callable[..., object]:
+    """Mark ``fn`` as a replacement of ours (returns it)."""
+    setattr(fn, _OURS, True)
+    return fn
+
+
+def is_ours(fn: object) -> bool:
+    """Whether ``fn`` is a replacement an earlier apply put in place."""
+    return bool(getattr(fn, _OURS, False))
 
 
 def when_imported(module_name: str, callback: Callback) -> None:

@@ -4,11 +4,15 @@ Replaces: ``vllm.v1.worker.gpu_model_runner.Gemma4Proposer``, the name the runne
 for the gemma4_mtp method and checks with ``isinstance`` (per-group block tables, metadata).
 Rebinding that one module global swaps the class everywhere the runner uses it.
 
-Wraps: ``GPUModelRunner._calc_spec_decode_metadata``. When the runner's drafter is ours and has
-a ``verify_metadata`` builder (``spec_decode/verify_metadata.py``: the same arrays in one
-transfer), the builder answers; otherwise vLLM's method runs as it is.
-vLLM versions: 0.26 - 0.33 (the name, the method's signature and ``SpecDecodeMetadata`` are the
-same in all of them).
+Wraps, when the runner's drafter is ours (otherwise vLLM's methods run as they are):
+* ``GPUModelRunner._calc_spec_decode_metadata``: the drafter's ``verify_metadata`` builder
+  answers (``spec_decode/verify_metadata.py``: the same arrays in one transfer);
+* ``GPUModelRunner._prepare_input_ids``: where async scheduling carries tokens over on the GPU,
+  the drafter's ``verify_input_ids`` writes them (``spec_decode/verify_input_ids.py``: the same
+  scatters from one transfer). vLLM's method runs for everything else: no carried tokens,
+  prompt embeddings, or a pipeline-parallel receive to wait for (0.32 added that wait).
+vLLM versions: 0.26 - 0.33 (the names, the methods' signatures and the runner state they read
+are the same in all of them).
 """
 
 from __future__ import annotations
@@ -17,11 +21,16 @@ import functools
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
+from gemma4_spec.patch.hooks import is_ours, ours
+
 RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 
 def apply(runner_module: ModuleType) -> None:
     from gemma4_spec.spec_decode.proposer import Gemma4Proposer
+    from gemma4_spec.spec_decode.verify_input_ids import carried_tokens
 
     if not hasattr(runner_module, "Gemma4Proposer"):
         raise RuntimeError(
@@ -31,7 +40,7 @@ def apply(runner_module: ModuleType) -> None:
 
     runner = runner_module.GPUModelRunner
     vllms = runner._calc_spec_decode_metadata
-    if getattr(vllms, "gemma4_spec", False):
+    if is_ours(vllms):
         return  # already wrapped
 
     @functools.wraps(vllms)
@@ -43,5 +52,42 @@ def apply(runner_module: ModuleType) -> None:
             return vllms(self, num_draft_tokens, cu_num_scheduled_tokens)
         return builder.build(num_draft_tokens, cu_num_scheduled_tokens, self.input_ids.gpu)
 
-    _calc_spec_decode_metadata.gemma4_spec = True  # type: ignore[attr-defined]
-    runner._calc_spec_decode_metadata = _calc_spec_decode_metadata
+    runner._calc_spec_decode_metadata = ours(_calc_spec_decode_metadata)
+
+    vllms_input_ids = runner._prepare_input_ids
+
+    @functools.wraps(vllms_input_ids)
+    def _prepare_input_ids(
+        self: Any,
+        scheduler_output: Any,
+        num_reqs: int,
+        total_num_scheduled_tokens: int,
+        cu_num_tokens: Any,
+    ) -> None:
+        writer = getattr(getattr(self, "drafter", None), "verify_input_ids", None)
+        if (
+            writer is None
+            or self.input_batch.prev_sampled_token_ids is None
+            or self.enable_prompt_embeds
+            or getattr(self, "_pp_recv_work", None) is not None
+        ):
+            return vllms_input_ids(
+                self, scheduler_output, num_reqs, total_num_scheduled_tokens, cu_num_tokens
+            )
+        scheduled = scheduler_output.scheduled_spec_decode_tokens
+        req_ids = self.input_batch.req_ids[:num_reqs]
+        draft_lens = np.fromiter(
+            (len(scheduled.get(r, ())) for r in req_ids), dtype=np.int64, count=num_reqs
+        )
+        carried = carried_tokens(
+            self.prev_positions.np[:num_reqs], draft_lens, cu_num_tokens, self.prev_num_spec_tokens
+        )
+        writer.write(
+            self.input_ids,
+            carried,
+            self.input_batch.prev_sampled_token_ids,
+            self._draft_token_ids,
+            total_num_scheduled_tokens,
+        )
+
+    runner._prepare_input_ids = ours(_prepare_input_ids)

@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any
 
 from gemma4_spec.compat import logits_processor_idle
+from gemma4_spec.patch.hooks import is_ours, ours
 
 REJECTION_SAMPLER_MODULE = "vllm.v1.sample.rejection_sampler"
 GREEDY_VERIFY_ENV = "GEMMA4_SPEC_GREEDY_VERIFY"
@@ -68,7 +69,7 @@ def apply(module: ModuleType) -> None:
 
     sampler_class = module.RejectionSampler
     vllms = sampler_class.forward
-    if getattr(vllms, "gemma4_spec", False):
+    if is_ours(vllms):
         return  # already wrapped
 
     @functools.wraps(vllms)
@@ -87,5 +88,4 @@ def apply(module: ModuleType) -> None:
             return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
         return vllms(self, metadata, draft_probs, logits, sampling_metadata)
 
-    forward.gemma4_spec = True  # type: ignore[attr-defined]
-    sampler_class.forward = forward
+    sampler_class.forward = ours(forward)

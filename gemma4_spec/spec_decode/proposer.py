@@ -51,6 +51,7 @@ from gemma4_spec.patch.patch_rejection_sampler import (
 from gemma4_spec.spec_decode.draft_graphs import DraftLoopGraphs, loop_graph_size
 from gemma4_spec.spec_decode.kv_scales import share_kv_scales
 from gemma4_spec.spec_decode.sampler_graphs import GraphedGreedySampler
+from gemma4_spec.spec_decode.verify_input_ids import VerifyInputIds, verify_input_ids_enabled
 from gemma4_spec.spec_decode.verify_metadata import VerifyMetadataBuilder, verify_metadata_enabled
 
 logger = get_logger(__name__)
@@ -71,6 +72,9 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         # The runner's verification index arrays, built in one transfer (the runner asks it
         # through patch/patch_gpu_model_runner.py; None: vLLM builds them).
         self.verify_metadata = VerifyMetadataBuilder(device) if verify_metadata_enabled() else None
+        # Async scheduling's carried tokens into the verification step's input ids, in one
+        # transfer (asked the same way; None: vLLM writes them).
+        self.verify_input_ids = VerifyInputIds(device) if verify_input_ids_enabled() else None
 
     # The runner hands over each KV cache group's block table before proposing.
     def set_per_group_block_table(self, gid: int, block_table: torch.Tensor) -> None:

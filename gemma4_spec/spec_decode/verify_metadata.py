@@ -23,6 +23,7 @@ runner's stream before the next step's transfer.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -48,17 +49,19 @@ def verify_index_arrays(
     (in the step's flattened input ids) holding the drafts: each target row's next token."""
     drafts = num_draft_tokens
     sampled = drafts + 1
-    cu_sampled = np.cumsum(sampled, dtype=np.int32)
-    cu_drafts = np.cumsum(drafts, dtype=np.int32)
+    cu_sampled = sampled.cumsum(dtype=np.int32)
+    cu_drafts = drafts.cumsum(dtype=np.int32)
     first_row = cu_sampled - sampled  # each request's first logits row
 
-    # Token position of every logits row: the request's first scored token, plus the offset.
-    first_token = cu_num_scheduled_tokens - sampled
-    logits_indices = np.repeat(first_token, sampled)
-    logits_indices += np.arange(cu_sampled[-1], dtype=np.int32) - np.repeat(first_row, sampled)
-    # Logits row of every draft: the request's first row, plus the draft's index.
-    target = np.repeat(first_row, drafts)
-    target += np.arange(cu_drafts[-1], dtype=np.int32) - np.repeat(cu_drafts - drafts, drafts)
+    # Token position of logits row j of request i: its first scored token plus j minus the
+    # request's first row, i.e. a per-request shift plus j.
+    logits_indices = (cu_num_scheduled_tokens - sampled - first_row).repeat(sampled)
+    logits_indices += np.arange(cu_sampled[-1], dtype=np.int32)
+    # Logits row of draft d (numbered over all drafts) of request i: its first row plus d
+    # minus the drafts before it, i.e. d + i (each earlier request has one row more than
+    # drafts: its bonus row).
+    target = np.arange(len(drafts), dtype=np.int32).repeat(drafts)
+    target += np.arange(cu_drafts[-1], dtype=np.int32)
     return {
         "cu_num_draft_tokens": cu_drafts,
         "cu_num_sampled_tokens": cu_sampled,
@@ -69,6 +72,16 @@ def verify_index_arrays(
     }
 
 
+@dataclass
+class _Layout:
+    """Where each array sits in the packed buffers, for one shape of step."""
+
+    nbytes: int
+    spans: dict[str, tuple[int, int, np.dtype]]  # name -> (byte offset, bytes, dtype)
+    host: dict[str, np.ndarray]  # views of the pinned host buffer
+    device: dict[str, torch.Tensor]  # views of the device buffer (empty on CPU)
+
+
 class VerifyMetadataBuilder:
     """Reused host and device buffers for one runner's verification index arrays."""
 
@@ -77,14 +90,36 @@ class VerifyMetadataBuilder:
         self._pin = device.type == "cuda"
         self._host = torch.empty(0, dtype=torch.uint8)
         self._device = torch.empty(0, dtype=torch.uint8, device=device)
+        # Per step shape (array lengths and dtypes): the layout, with its views made once.
+        self._layouts: dict[tuple[object, ...], _Layout] = {}
         self.builds = 0
 
-    def _room(self, nbytes: int) -> None:
-        if self._host.numel() >= nbytes:
-            return
-        size = max(nbytes, 2 * self._host.numel(), 4096)
-        self._host = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
-        self._device = torch.empty(size, dtype=torch.uint8, device=self.device)
+    def _layout(self, arrays: dict[str, np.ndarray]) -> _Layout:
+        key = tuple((a.shape[0], a.dtype.char) for a in arrays.values())
+        layout = self._layouts.get(key)
+        if layout is not None:
+            return layout
+        # Widest dtypes first, so that every array starts aligned for its own dtype.
+        spans, end = {}, 0
+        for name in sorted(arrays, key=lambda name: -arrays[name].itemsize):
+            spans[name] = (end, arrays[name].nbytes, arrays[name].dtype)
+            end += arrays[name].nbytes
+        if self._host.numel() < end:  # grow; views of the old buffers go with them
+            size = max(end, 2 * self._host.numel(), 4096)
+            self._host = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
+            self._device = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._layouts.clear()
+        host = self._host.numpy()
+        layout = _Layout(
+            nbytes=end,
+            spans=spans,
+            host={n: host[o : o + b].view(t) for n, (o, b, t) in spans.items()},
+            device={}
+            if self.device.type == "cpu"
+            else {n: _typed(self._device, o, b, t) for n, (o, b, t) in spans.items()},
+        )
+        self._layouts[key] = layout
+        return layout
 
     def build(
         self,
@@ -96,28 +131,15 @@ class VerifyMetadataBuilder:
         input token ids on the device (the runner's ``input_ids.gpu``)."""
         self.builds += 1
         arrays = verify_index_arrays(num_draft_tokens, cu_num_scheduled_tokens)
-        # Widest dtypes first, so that every array starts aligned for its own dtype.
-        order = sorted(arrays, key=lambda name: -arrays[name].itemsize)
-        offsets, end = {}, 0
-        for name in order:
-            offsets[name] = end
-            end += arrays[name].nbytes
-        self._room(end)
-        host = self._host.numpy()
-        for name in order:
-            a = arrays[name]
-            host[offsets[name] : offsets[name] + a.nbytes].view(a.dtype)[:] = a
-        if self.device.type == "cpu":  # no transfer; a fresh tensor, as later steps reuse ours
-            packed = self._host[:end].clone()
+        layout = self._layout(arrays)
+        for name, view in layout.host.items():
+            view[:] = arrays[name]
+        if self.device.type == "cpu":  # no transfer; fresh tensors, as later steps reuse ours
+            packed = self._host[: layout.nbytes].clone()
+            on_device = {n: _typed(packed, o, b, t) for n, (o, b, t) in layout.spans.items()}
         else:
-            packed = self._device[:end]
-            packed.copy_(self._host[:end], non_blocking=True)
-        on_device = {
-            name: packed[offsets[name] : offsets[name] + arrays[name].nbytes].view(
-                _TORCH_DTYPES[arrays[name].dtype.type]
-            )
-            for name in order
-        }
+            self._device[: layout.nbytes].copy_(self._host[: layout.nbytes], non_blocking=True)
+            on_device = layout.device
         return SpecDecodeMetadata(
             draft_token_ids=input_ids[on_device["draft_positions"]],
             num_draft_tokens=num_draft_tokens.tolist(),
@@ -127,6 +149,11 @@ class VerifyMetadataBuilder:
             bonus_logits_indices=on_device["bonus_logits_indices"],
             logits_indices=on_device["logits_indices"],
         )
+
+
+def _typed(buffer: torch.Tensor, offset: int, nbytes: int, dtype: np.dtype) -> torch.Tensor:
+    """Bytes ``[offset, offset + nbytes)`` of a uint8 tensor, as ``dtype``."""
+    return buffer[offset : offset + nbytes].view(_TORCH_DTYPES[dtype.type])
 
 
 _TORCH_DTYPES = {np.int32: torch.int32, np.int64: torch.int64}

@@ -75,6 +75,9 @@ class RunResult:
     # and greedy batches verified without vLLM's rejection sampler (patch_rejection_sampler.py).
     verify_metadata_builds: int = 0
     greedy_verify_batches: int = 0
+    # Steps whose carried tokens (async scheduling: GPU only) our writer put into the input
+    # ids (spec_decode/verify_input_ids.py).
+    verify_input_ids_writes: int = 0
 
     @property
     def acceptance(self) -> Acceptance:
@@ -151,6 +154,7 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     result.flat_verify_graph_replays = worker["flat_verify_graph_replays"]
     result.verify_metadata_builds = worker["verify_metadata_builds"]
     result.greedy_verify_batches = worker["greedy_verify_batches"]
+    result.verify_input_ids_writes = worker["verify_input_ids_writes"]
     del llm
     return result
 
@@ -166,6 +170,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
     sampler = getattr(drafter, "sampler", None)
     loops = getattr(drafter, "loop_graphs", None)
     verify_metadata = getattr(drafter, "verify_metadata", None)
+    input_ids = getattr(drafter, "verify_input_ids", None)
     greedy = getattr(getattr(runner, "rejection_sampler", None), GREEDY_VERIFY_ATTR, None)
     builders = [
         builder
@@ -185,6 +190,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "flat_verify_graph_replays": sum(flatten_replays_of(builder) for builder in builders),
         "verify_metadata_builds": 0 if verify_metadata is None else verify_metadata.builds,
         "greedy_verify_batches": 0 if greedy is None else greedy.batches,
+        "verify_input_ids_writes": 0 if input_ids is None else input_ids.writes,
     }
 
 

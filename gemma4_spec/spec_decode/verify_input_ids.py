@@ -1,0 +1,138 @@
+"""The verification step's input ids under async scheduling, with one host-to-device copy.
+
+With async scheduling the host schedules step N + 1 before step N's tokens are on the host:
+requests carried over from step N find their new token (N's sampled token) and their drafts
+only on the GPU, and the runner writes them into the step's flattened input ids there. vLLM's
+``GPUModelRunner._prepare_input_ids`` does it with four index lists, each made into a pinned
+tensor and sent by itself, on every speculative step (a speculative batch never takes its
+one-slice shortcut: each request has drafts after its sampled token). Pinned allocations and
+transfers are host time, on a step the host bounds at small batches.
+
+``carried_tokens`` works out, on the host with numpy, where each carried request's tokens go:
+its last scheduled token is its last draft, the sampled token sits before its drafts, and the
+drafts come from the request's row of step N's drafts. ``VerifyInputIds.write`` sends the four
+index arrays in one transfer of one reused pinned buffer, then scatters as vLLM does. Same
+result as vLLM's method (tested against it). Reusing the buffers is safe for the same reasons as
+in ``verify_metadata.py`` (the runner calls this inside its input-preparation section).
+
+``patch/patch_gpu_model_runner.py`` routes the runner here when the drafter is ours and the
+step has tokens to carry; ``GEMMA4_SPEC_VERIFY_INPUT_IDS=0`` keeps vLLM's.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+VERIFY_INPUT_IDS_ENV = "GEMMA4_SPEC_VERIFY_INPUT_IDS"
+
+
+def verify_input_ids_enabled() -> bool:
+    return os.environ.get(VERIFY_INPUT_IDS_ENV, "1") != "0"
+
+
+@dataclass
+class CarriedTokens:
+    """Where the previous step's tokens go in this step's flattened input ids."""
+
+    sampled_dst: np.ndarray  # int64, per carried request: position of its sampled token
+    sampled_src: np.ndarray  # int64, per carried request: its row in the previous step
+    draft_dst: np.ndarray  # int64, per draft: its position
+    draft_src: np.ndarray  # int64, per draft: its index in the previous step's drafts, flat
+    in_place: bool  # every carried request kept its row, one token each: a plain slice copy
+
+    @property
+    def num_carried(self) -> int:
+        return self.sampled_dst.shape[0]
+
+
+def carried_tokens(
+    prev_positions: np.ndarray,
+    draft_lens: np.ndarray,
+    cu_num_tokens: np.ndarray,
+    prev_num_drafts: int,
+) -> CarriedTokens:
+    """``prev_positions[i]``: request i's row in the previous step (negative if new);
+    ``draft_lens[i]``: its drafts scheduled now; ``cu_num_tokens``: cumulative scheduled tokens;
+    ``prev_num_drafts``: drafts per row in the previous step's draft tensor."""
+    carried = np.flatnonzero(prev_positions >= 0)
+    drafts = draft_lens[carried].astype(np.int64)
+    last = cu_num_tokens[carried].astype(np.int64) - 1  # each carried request's last token
+    src = prev_positions[carried].astype(np.int64)
+    sampled_dst = last - drafts
+    # Draft j of a carried request: at its sampled token's position + 1 + j, from its
+    # previous row's slot j.
+    j = np.arange(int(drafts.sum()), dtype=np.int64) - np.repeat(drafts.cumsum() - drafts, drafts)
+    in_place = (
+        carried.size > 0 and bool((src == last).all()) and int(last.max()) == carried.size - 1
+    )
+    return CarriedTokens(
+        sampled_dst=sampled_dst,
+        sampled_src=src,
+        draft_dst=np.repeat(sampled_dst + 1, drafts) + j,
+        draft_src=np.repeat(src * prev_num_drafts, drafts) + j,
+        in_place=in_place,
+    )
+
+
+class VerifyInputIds:
+    """Reused host and device buffers for one runner's carried-token indices."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pin = device.type == "cuda"
+        self._host = torch.empty(0, dtype=torch.int64)
+        self._device = torch.empty(0, dtype=torch.int64, device=device)
+        self.writes = 0
+
+    def _send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
+        """The arrays on the device, through one transfer."""
+        total = sum(a.shape[0] for a in arrays)
+        if self._host.shape[0] < total:
+            size = max(total, 2 * self._host.shape[0], 1024)
+            self._host = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
+            self._device = torch.empty(size, dtype=torch.int64, device=self.device)
+        host = self._host.numpy()
+        np.concatenate(arrays, out=host[:total])
+        if self.device.type == "cpu":  # no transfer; fresh tensors, as later steps reuse ours
+            packed = self._host[:total].clone()
+        else:
+            packed = self._device[:total]
+            packed.copy_(self._host[:total], non_blocking=True)
+        return list(packed.split([a.shape[0] for a in arrays]))
+
+    def write(
+        self,
+        input_ids: object,
+        carried: CarriedTokens,
+        prev_sampled: torch.Tensor,
+        prev_drafts: torch.Tensor | None,
+        total_num_scheduled_tokens: int,
+    ) -> None:
+        """This step's input ids into ``input_ids`` (the runner's ``CpuGpuBuffer``; its host
+        side holds every token the host knows): the host's tokens first where some are not
+        carried, then the carried requests' sampled tokens (``prev_sampled`` ``[R, 1+]``, the
+        previous step's) and drafts (``prev_drafts``, the previous step's ``[R, k]``)."""
+        self.writes += 1
+        num_drafts = carried.draft_dst.shape[0]
+        if carried.num_carried < total_num_scheduled_tokens - num_drafts:
+            input_ids.copy_to_gpu(total_num_scheduled_tokens)  # type: ignore[attr-defined]
+        if carried.num_carried == 0:
+            return
+        gpu: torch.Tensor = input_ids.gpu  # type: ignore[attr-defined]
+        if carried.in_place:
+            n = carried.num_carried
+            gpu[:n].copy_(prev_sampled[:n, 0], non_blocking=True)
+            return
+        with_drafts = prev_drafts is not None and num_drafts > 0
+        arrays = [carried.sampled_dst, carried.sampled_src]
+        if with_drafts:
+            arrays += [carried.draft_dst, carried.draft_src]
+        sent = self._send(arrays)
+        gpu.scatter_(0, sent[0], prev_sampled[sent[1], 0])
+        if with_drafts:
+            assert prev_drafts is not None
+            gpu.scatter_(0, sent[2], prev_drafts.to(torch.int32).flatten()[sent[3]])

@@ -1,0 +1,117 @@
+"""``spec_decode.verify_input_ids``: a hand-worked step, and the patched
+``GPUModelRunner._prepare_input_ids`` against vLLM's own on random async-scheduling steps
+(requests carried over, reordered, new, with and without drafts), on the CPU and on CUDA where
+there is one."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from gemma4_spec.spec_decode.verify_input_ids import VerifyInputIds, carried_tokens
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def test_hand_worked_step() -> None:
+    # Now: request 0 is new (3 prompt tokens); request 1 was row 1 and has 2 drafts; request 2
+    # was row 0 and has 1 draft. Previous step's drafts: 2 per row.
+    got = carried_tokens(
+        prev_positions=np.array([-1, 1, 0]),
+        draft_lens=np.array([0, 2, 1]),
+        cu_num_tokens=np.array([3, 6, 8]),
+        prev_num_drafts=2,
+    )
+    assert got.sampled_dst.tolist() == [3, 6]  # tokens 3 and 6 are the sampled ones
+    assert got.sampled_src.tolist() == [1, 0]
+    assert got.draft_dst.tolist() == [4, 5, 7]
+    assert got.draft_src.tolist() == [2, 3, 0]  # row 1's two drafts, row 0's first
+    assert not got.in_place
+
+
+def _runner(device: str, rng: np.random.Generator, writer: VerifyInputIds | None):  # type: ignore[no-untyped-def]
+    """A random async step: what vLLM's ``_prepare_input_ids`` reads of its runner."""
+    from vllm.v1.utils import CpuGpuBuffer
+
+    prev_reqs = int(rng.integers(1, 12))
+    k_prev = int(rng.integers(1, 4))
+    num_reqs = int(rng.integers(1, 14))
+    carried_from = rng.permutation(prev_reqs)  # current request -> previous row, or new
+    prev_positions = np.array(
+        [carried_from[i] if i < prev_reqs and rng.random() < 0.8 else -1 for i in range(num_reqs)]
+    )
+    if rng.random() < 0.2:  # sometimes the unchanged batch of plain decoding
+        num_reqs = prev_reqs
+        prev_positions = np.arange(prev_reqs)
+    drafts = np.where(prev_positions >= 0, rng.integers(0, k_prev + 1, num_reqs), 0)
+    if rng.random() < 0.2:
+        drafts[:] = 0
+    scheduled = np.where(prev_positions >= 0, drafts + 1, rng.integers(1, 20, num_reqs))
+    cu = np.cumsum(scheduled)
+    input_ids = CpuGpuBuffer(512, dtype=torch.int32, device=torch.device(device), pin_memory=False)
+    input_ids.np[: cu[-1]] = rng.integers(0, 1000, cu[-1])  # the host's view of the step
+    req_ids = [f"r{i}" for i in range(num_reqs)]
+    prev_positions_buf = SimpleNamespace(np=np.full(64, -7, dtype=np.int64))
+    prev_positions_buf.np[:num_reqs] = prev_positions
+    runner = SimpleNamespace(
+        device=torch.device(device),
+        input_ids=input_ids,
+        prev_positions=prev_positions_buf,
+        prev_num_spec_tokens=k_prev,
+        enable_prompt_embeds=False,
+        _pp_recv_work=None,
+        _draft_token_ids=torch.tensor(
+            rng.integers(2000, 3000, (prev_reqs, k_prev)), dtype=torch.int64, device=device
+        ),
+        input_batch=SimpleNamespace(
+            req_ids=req_ids,
+            prev_sampled_token_ids=torch.tensor(
+                rng.integers(5000, 6000, (prev_reqs, 1)), dtype=torch.int32, device=device
+            ),
+        ),
+        drafter=SimpleNamespace(verify_input_ids=writer),
+    )
+    output = SimpleNamespace(
+        scheduled_spec_decode_tokens={
+            req_ids[i]: [0] * int(drafts[i]) for i in range(num_reqs) if drafts[i]
+        }
+    )
+    return runner, output, num_reqs, int(cu[-1]), cu
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_vllm(device: str) -> None:
+    import vllm.v1.worker.gpu_model_runner as runner_module
+
+    from gemma4_spec.patch import patch_gpu_model_runner
+
+    patch_gpu_model_runner.apply(runner_module)
+    ours = runner_module.GPUModelRunner._prepare_input_ids
+    vllms = ours.__wrapped__
+    writer = VerifyInputIds(torch.device(device))
+    for seed in range(80):
+        rng_a, rng_b = np.random.default_rng(seed), np.random.default_rng(seed)
+        a = _runner(device, rng_a, writer)
+        b = _runner(device, rng_b, None)
+        ours(a[0], *a[1:])
+        vllms(b[0], *b[1:])
+        total = a[3]
+        assert torch.equal(a[0].input_ids.gpu[:total], b[0].input_ids.gpu[:total]), seed
+    assert writer.writes == 80
+
+
+def test_falls_back_to_vllm_without_carried_tokens() -> None:
+    import vllm.v1.worker.gpu_model_runner as runner_module
+
+    from gemma4_spec.patch import patch_gpu_model_runner
+
+    patch_gpu_model_runner.apply(runner_module)
+    writer = VerifyInputIds(torch.device("cpu"))
+    runner, output, num_reqs, total, cu = _runner("cpu", np.random.default_rng(0), writer)
+    runner.input_batch.prev_sampled_token_ids = None  # synchronous scheduling
+    runner_module.GPUModelRunner._prepare_input_ids(runner, output, num_reqs, total, cu)
+    assert writer.writes == 0
+    assert torch.equal(runner.input_ids.gpu[:total], runner.input_ids.cpu[:total])
