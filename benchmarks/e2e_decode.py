@@ -31,7 +31,7 @@ from typing import Any
 
 PROMPT_LEN = 128
 NEW_TOKENS = 128
-REPEATS = 5
+ROUNDS = 5  # default; --rounds
 ENGINE = dict(
     dtype="bfloat16",
     skip_tokenizer_init=True,
@@ -150,7 +150,7 @@ def _worker(args: argparse.Namespace) -> None:
     scope_ms: dict[int, list[dict[str, list[float]]]] = {b: [] for b in batches}
     before = spec_metrics(llm.get_metrics())
     gc.callbacks.append(on_gc)
-    for rnd in range(REPEATS):
+    for rnd in range(args.rounds):
         while not (control / f"{args.index}.go{rnd}").exists():
             time.sleep(0.05)
         for b in batches:
@@ -198,6 +198,7 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     parser.add_argument("--start-timeout", type=float, default=420)
     parser.add_argument("--scopes", action="store_true", help="time the host's scopes too")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds per engine")
     # internal: worker mode
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
@@ -236,8 +237,9 @@ def main() -> int:
         log = open(Path(args.workdir) / f"engine-{i}.log", "w")  # noqa: SIM115
         cmd = [sys.executable, __file__, "--worker", "--workdir", args.workdir, "--control",
                str(control), "--index", str(i), "--out", str(control / f"{i}.json"),
-               "--batch", args.batch, "--spec-tokens", str(config["k"]),
-               "--start-timeout", str(args.start_timeout)] + ["--scopes"] * args.scopes  # fmt: skip
+               "--batch", args.batch, "--spec-tokens", str(config["k"]), "--rounds",
+               str(args.rounds), "--start-timeout", str(args.start_timeout)]  # fmt: skip
+        cmd += ["--scopes"] * args.scopes
         procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
 
     deadline = time.monotonic() + args.start_timeout
@@ -251,7 +253,7 @@ def main() -> int:
             time.sleep(1)
     print(f"all engines ready after {time.perf_counter() - started:.0f} s", flush=True)
 
-    for rnd in range(REPEATS):
+    for rnd in range(args.rounds):
         for i, (name, proc) in enumerate(procs):
             (control / f"{i}.go{rnd}").touch()
             while not (control / f"{i}.done{rnd}").exists():
