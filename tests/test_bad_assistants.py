@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from gemma4_spec.patch.hooks import is_ours
 from gemma4_spec.testing.tiny import build_tiny_pair
 from gemma4_spec.validation import TOKEN_ORDERING_KEY, AssistantMismatchError
 
@@ -90,7 +91,7 @@ def test_good_pair_passes(pair: tuple[Path, Path]) -> None:
     assert config.speculative_config is not None
     assert config.speculative_config.draft_model_config.hf_config.model_type == "gemma4_mtp"
     # The plugin's wrapper ran (so the failures below are its checks, not vLLM's).
-    assert getattr(EngineArgs.create_speculative_config, "_gemma4_spec_checked", False)
+    assert is_ours(EngineArgs.create_speculative_config)
 
 
 def test_backbone_hidden_size_differs(target: Path, variant: Callable[..., Path]) -> None:

@@ -310,11 +310,12 @@ def test_gemma4_mtp_selects_the_v1_runner(
 def test_real_vllm_config_is_patched_in_engine_processes() -> None:
     result = run_python(
         "import json\n"
+        "from gemma4_spec.patch.hooks import is_ours\n"
         "from gemma4_spec.plugin import register\n"
         "register()\n"
         "from vllm.config.vllm import VllmConfig\n"
         "fget = VllmConfig.__dict__['use_v2_model_runner'].fget\n"
-        "print('RESULT:' + json.dumps(getattr(fget, '_gemma4_spec_v1', False)))\n"
+        "print('RESULT:' + json.dumps(is_ours(fget)))\n"
     )
     assert result is True
 

@@ -15,13 +15,15 @@ import functools
 from types import ModuleType
 from typing import Any
 
+from gemma4_spec.patch.hooks import is_ours, ours
+
 ARG_UTILS_MODULE = "vllm.engine.arg_utils"
 
 
 def apply(arg_utils: ModuleType) -> None:
     engine_args = arg_utils.EngineArgs
     original = engine_args.create_speculative_config
-    if getattr(original, "_gemma4_spec_checked", False):
+    if is_ours(original):
         return
 
     @functools.wraps(original)
@@ -50,8 +52,7 @@ def apply(arg_utils: ModuleType) -> None:
             check_gemma4_mtp_request(spec_config)
         return spec_config
 
-    create_speculative_config._gemma4_spec_checked = True  # type: ignore[attr-defined]
-    engine_args.create_speculative_config = create_speculative_config
+    engine_args.create_speculative_config = ours(create_speculative_config)
 
 
 def _requests_gemma4_mtp(engine_args: Any) -> bool:

@@ -34,6 +34,7 @@ from typing import Any
 
 from gemma4_spec.compat import flat_verify_supported
 from gemma4_spec.log import get_logger
+from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
 
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
@@ -50,7 +51,7 @@ _logged = False
 
 def apply(module: ModuleType) -> None:
     builder_cls = getattr(module, "TritonAttentionMetadataBuilder", None)
-    if builder_cls is None or getattr(builder_cls.build, "_gemma4_spec_flat", False):
+    if builder_cls is None or is_ours(builder_cls.build):
         return
     original = builder_cls.build
 
@@ -63,8 +64,7 @@ def apply(module: ModuleType) -> None:
         common = kwargs["common_attn_metadata"] if "common_attn_metadata" in kwargs else args[1]
         return flat.rewrite(common, metadata)
 
-    build._gemma4_spec_flat = True  # type: ignore[attr-defined]
-    builder_cls.build = build
+    builder_cls.build = ours(build)
 
 
 class FlatVerify:

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from gemma4_spec.log import get_logger
+from gemma4_spec.patch.hooks import is_ours, ours
 
 CONFIG_MODULE = "vllm.config.vllm"
 GEMMA4_MTP = "gemma4_mtp"
@@ -32,7 +33,7 @@ def apply(config_module: ModuleType) -> None:
             f"{CONFIG_MODULE}.VllmConfig has no use_v2_model_runner property: this vLLM is not "
             "one gemma4-spec supports."
         )
-    if getattr(original.fget, "_gemma4_spec_v1", False):
+    if is_ours(original.fget):
         return
     decide = original.fget
 
@@ -43,8 +44,7 @@ def apply(config_module: ModuleType) -> None:
         _log_once()
         return False
 
-    use_v2_model_runner._gemma4_spec_v1 = True  # type: ignore[attr-defined]
-    config_cls.use_v2_model_runner = property(use_v2_model_runner)
+    config_cls.use_v2_model_runner = property(ours(use_v2_model_runner))
 
 
 def drafts_with_gemma4_mtp(vllm_config: Any) -> bool:
