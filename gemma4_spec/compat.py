@@ -68,9 +68,14 @@ def installed_vllm_version() -> Version | None:
     return None
 
 
-def vllm_is_supported(found: Version | None = None) -> bool:
+def _in_any(found: Version | None, *specs: SpecifierSet) -> bool:
+    """Whether ``found`` (default: the installed vLLM) is in one of ``specs``."""
     found = found if found is not None else installed_vllm_version()
-    return found is not None and SUPPORTED_VLLM.contains(found.base_version)
+    return found is not None and any(s.contains(found.base_version) for s in specs)
+
+
+def vllm_is_supported(found: Version | None = None) -> bool:
+    return _in_any(found, SUPPORTED_VLLM)
 
 
 def check_vllm_version(found: Version | None = None) -> None:
@@ -97,26 +102,20 @@ def build_drafting_metadata(group: Any, common_attn_metadata: Any, draft_index: 
 
 def flat_verify_supported(found: Version | None = None) -> bool:
     """Whether ``patch/patch_triton_attn.py`` may rewrite verification metadata on this vLLM."""
-    found = found if found is not None else installed_vllm_version()
-    return found is not None and FLAT_VERIFY_VLLM.contains(found.base_version)
+    return _in_any(found, FLAT_VERIFY_VLLM)
 
 
 def draft_metadata_rebuild_free(backend_names: set[str], found: Version | None = None) -> bool:
     """Whether draft-loop graphs over backends ``backend_names`` may replay without rebuilding
     the draft attention metadata, on this vLLM."""
-    found = found if found is not None else installed_vllm_version()
-    if found is None or not backend_names:
-        return False
-    return all(
-        any(spec.contains(found.base_version) for spec in REBUILD_FREE_DRAFT_METADATA.get(name, ()))
-        for name in backend_names
+    return bool(backend_names) and all(
+        _in_any(found, *REBUILD_FREE_DRAFT_METADATA.get(name, ())) for name in backend_names
     )
 
 
 def greedy_verify_supported(found: Version | None = None) -> bool:
     """Whether ``patch/patch_rejection_sampler.py`` may verify greedy batches itself here."""
-    found = found if found is not None else installed_vllm_version()
-    return found is not None and any(s.contains(found.base_version) for s in GREEDY_VERIFY_VLLM)
+    return _in_any(found, *GREEDY_VERIFY_VLLM)
 
 
 def logits_processor_idle(processor: Any) -> bool:
