@@ -11,9 +11,8 @@ transfers are host time, on a step the host bounds at small batches.
 ``carried_tokens`` works out, on the host with numpy, where each carried request's tokens go:
 its last scheduled token is its last draft, the sampled token sits before its drafts, and the
 drafts come from the request's row of step N's drafts. ``VerifyInputIds.write`` sends the four
-index arrays in one transfer of one reused pinned buffer, then scatters as vLLM does. Same
-result as vLLM's method (tested against it). Reusing the buffers is safe for the same reasons as
-in ``verify_metadata.py`` (the runner calls this inside its input-preparation section).
+index arrays in one transfer of one reused pinned buffer (``transfer_buffer.py``), then scatters
+as vLLM does. Same result as vLLM's method (tested against it).
 
 ``patch/patch_gpu_model_runner.py`` routes the runner here when the drafter is ours and the
 step has tokens to carry; ``GEMMA4_SPEC_VERIFY_INPUT_IDS=0`` keeps vLLM's.
@@ -26,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from gemma4_spec.spec_decode.transfer_buffer import TransferBuffer
 
 VERIFY_INPUT_IDS_ENV = "GEMMA4_SPEC_VERIFY_INPUT_IDS"
 
@@ -82,26 +83,15 @@ class VerifyInputIds:
     """Reused host and device buffers for one runner's carried-token indices."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._pin = device.type == "cuda"
-        self._host = torch.empty(0, dtype=torch.int64)
-        self._device = torch.empty(0, dtype=torch.int64, device=device)
+        self._buffer = TransferBuffer(device, torch.int64, min_size=1024)
         self.writes = 0
 
     def _send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
         """The arrays on the device, through one transfer."""
         total = sum(a.shape[0] for a in arrays)
-        if self._host.shape[0] < total:
-            size = max(total, 2 * self._host.shape[0], 1024)
-            self._host = torch.empty(size, dtype=torch.int64, pin_memory=self._pin)
-            self._device = torch.empty(size, dtype=torch.int64, device=self.device)
-        host = self._host.numpy()
-        np.concatenate(arrays, out=host[:total])
-        if self.device.type == "cpu":  # no transfer; fresh tensors, as later steps reuse ours
-            packed = self._host[:total].clone()
-        else:
-            packed = self._device[:total]
-            packed.copy_(self._host[:total], non_blocking=True)
+        self._buffer.reserve(total)
+        np.concatenate(arrays, out=self._buffer.host_numpy()[:total])
+        packed = self._buffer.send(total)
         return list(packed.split([a.shape[0] for a in arrays]))
 
     def write(

@@ -10,11 +10,9 @@ itself (a pinned copy and a transfer each) and gathers the draft ids in two step
 the host bounding the step at small batches.
 
 ``VerifyMetadataBuilder.build`` computes the same arrays on the host with numpy, packs them into
-one reused pinned buffer, sends that in one transfer into one reused device buffer and gathers
-the draft ids in one step. Same values, dtypes and shapes as vLLM's (tested against it).
-Reusing the buffers is safe: the runner calls this inside its input-preparation section, which
-waits for the previous step's transfers, and every reader of a step's arrays runs on the
-runner's stream before the next step's transfer.
+one reused pinned buffer, sends that in one transfer into one reused device buffer
+(``transfer_buffer.py``, which says why reuse is safe) and gathers the draft ids in one step.
+Same values, dtypes and shapes as vLLM's (tested against it).
 
 ``patch/patch_gpu_model_runner.py`` routes the runner here when the drafter is ours;
 ``GEMMA4_SPEC_VERIFY_METADATA=0`` keeps vLLM's.
@@ -28,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+from gemma4_spec.spec_decode.transfer_buffer import TransferBuffer
 
 VERIFY_METADATA_ENV = "GEMMA4_SPEC_VERIFY_METADATA"
 
@@ -87,9 +87,7 @@ class VerifyMetadataBuilder:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._pin = device.type == "cuda"
-        self._host = torch.empty(0, dtype=torch.uint8)
-        self._device = torch.empty(0, dtype=torch.uint8, device=device)
+        self._buffer = TransferBuffer(device, torch.uint8, min_size=4096)
         # Per step shape (array lengths and dtypes): the layout, with its views made once.
         self._layouts: dict[tuple[object, ...], _Layout] = {}
         self.builds = 0
@@ -104,19 +102,16 @@ class VerifyMetadataBuilder:
         for name in sorted(arrays, key=lambda name: -arrays[name].itemsize):
             spans[name] = (end, arrays[name].nbytes, arrays[name].dtype)
             end += arrays[name].nbytes
-        if self._host.numel() < end:  # grow; views of the old buffers go with them
-            size = max(end, 2 * self._host.numel(), 4096)
-            self._host = torch.empty(size, dtype=torch.uint8, pin_memory=self._pin)
-            self._device = torch.empty(size, dtype=torch.uint8, device=self.device)
+        if self._buffer.reserve(end):  # new buffers: the views of the old ones go with them
             self._layouts.clear()
-        host = self._host.numpy()
+        host, device = self._buffer.host_numpy(), self._buffer.on_device
         layout = _Layout(
             nbytes=end,
             spans=spans,
             host={n: host[o : o + b].view(t) for n, (o, b, t) in spans.items()},
             device={}
             if self.device.type == "cpu"
-            else {n: _typed(self._device, o, b, t) for n, (o, b, t) in spans.items()},
+            else {n: _typed(device, o, b, t) for n, (o, b, t) in spans.items()},
         )
         self._layouts[key] = layout
         return layout
@@ -134,12 +129,11 @@ class VerifyMetadataBuilder:
         layout = self._layout(arrays)
         for name, view in layout.host.items():
             view[:] = arrays[name]
-        if self.device.type == "cpu":  # no transfer; fresh tensors, as later steps reuse ours
-            packed = self._host[: layout.nbytes].clone()
-            on_device = {n: _typed(packed, o, b, t) for n, (o, b, t) in layout.spans.items()}
-        else:
-            self._device[: layout.nbytes].copy_(self._host[: layout.nbytes], non_blocking=True)
-            on_device = layout.device
+        packed = self._buffer.send(layout.nbytes)
+        # On CUDA the views made with the layout are views of ``packed``; on the CPU it is new.
+        on_device = layout.device or {
+            n: _typed(packed, o, b, t) for n, (o, b, t) in layout.spans.items()
+        }
         return SpecDecodeMetadata(
             draft_token_ids=input_ids[on_device["draft_positions"]],
             num_draft_tokens=num_draft_tokens.tolist(),
