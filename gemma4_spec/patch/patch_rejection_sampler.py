@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from gemma4_spec.compat import logits_processor_idle
+from gemma4_spec.compat import greedy_verify_supported, logits_processor_idle
 from gemma4_spec.patch.hooks import is_ours, ours
 
 REJECTION_SAMPLER_MODULE = "vllm.v1.sample.rejection_sampler"
@@ -40,8 +40,6 @@ class GreedyVerifyStats:
 
 
 def greedy_verify_enabled() -> bool:
-    from gemma4_spec.compat import greedy_verify_supported
-
     return os.environ.get(GREEDY_VERIFY_ENV, "1") != "0" and greedy_verify_supported()
 
 

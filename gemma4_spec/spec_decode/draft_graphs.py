@@ -16,8 +16,7 @@ block) and replays. Where a draft attention backend may derive state from its me
 builder's persistent buffers), the metadata is also rebuilt over the buffers before every
 replay, as vLLM's runner does before replaying its own full graphs; backends whose metadata
 only refers to the tensors it is given (``compat.REBUILD_FREE_DRAFT_METADATA``) skip that host
-work. The
-slot mapping is never restaged: draft layers read the target's K/V and write none.
+work. The slot mapping is never restaged: draft layers read the target's K/V and write none.
 
 A (size, k) is captured the first time it is drafted: that call runs the loop eagerly (its
 tokens are used) and then captures it. Used only for greedy drafting on CUDA, without data
