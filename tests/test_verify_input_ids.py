@@ -49,6 +49,10 @@ def _runner(device: str, rng: np.random.Generator, writer: VerifyInputIds | None
     drafts = np.where(prev_positions >= 0, rng.integers(0, k_prev + 1, num_reqs), 0)
     if rng.random() < 0.2:
         drafts[:] = 0
+    if rng.random() < 0.3:  # the steady state of speculative decoding: d drafts each
+        num_reqs = prev_reqs
+        prev_positions = np.arange(prev_reqs)
+        drafts = np.full(num_reqs, int(rng.integers(0, k_prev + 1)))
     scheduled = np.where(prev_positions >= 0, drafts + 1, rng.integers(1, 20, num_reqs))
     cu = np.cumsum(scheduled)
     input_ids = CpuGpuBuffer(512, dtype=torch.int32, device=torch.device(device), pin_memory=False)
@@ -101,6 +105,21 @@ def test_matches_vllm(device: str) -> None:
         total = a[3]
         assert torch.equal(a[0].input_ids.gpu[:total], b[0].input_ids.gpu[:total]), seed
     assert writer.writes == 80
+    assert 10 < writer.uniform_writes < 70  # both ways were taken
+
+
+def test_uniform_drafts() -> None:
+    from gemma4_spec.spec_decode.verify_input_ids import uniform_drafts
+
+    rows = np.arange(3)
+    assert uniform_drafts(rows, np.array([2, 2, 2]), 9, 2) == 2
+    assert uniform_drafts(rows, np.array([1, 1, 1]), 6, 2) == 1  # fewer than last time
+    assert uniform_drafts(rows, np.array([0, 0, 0]), 3, 2) == 0
+    assert uniform_drafts(rows, np.array([2, 2, 2]), 9, 1) is None  # more than last time
+    assert uniform_drafts(rows, np.array([2, 1, 2]), 8, 2) is None
+    assert uniform_drafts(np.array([1, 0, 2]), np.array([2, 2, 2]), 9, 2) is None  # reordered
+    assert uniform_drafts(np.array([0, 1, -1]), np.array([2, 2, 0]), 10, 2) is None  # a new one
+    assert uniform_drafts(rows, np.array([2, 2, 2]), 10, 2) is None  # a longer request
 
 
 def test_falls_back_to_vllm_without_carried_tokens() -> None:

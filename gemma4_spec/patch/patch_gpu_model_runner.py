@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import torch
 
 from gemma4_spec.patch.hooks import is_ours, ours
 
@@ -30,7 +31,7 @@ RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 def apply(runner_module: ModuleType) -> None:
     from gemma4_spec.spec_decode.proposer import Gemma4Proposer
-    from gemma4_spec.spec_decode.verify_input_ids import carried_tokens
+    from gemma4_spec.spec_decode.verify_input_ids import carried_tokens, uniform_drafts
 
     if not hasattr(runner_module, "Gemma4Proposer"):
         raise RuntimeError(
@@ -79,15 +80,21 @@ def apply(runner_module: ModuleType) -> None:
         draft_lens = np.fromiter(
             (len(scheduled.get(r, ())) for r in req_ids), dtype=np.int64, count=num_reqs
         )
+        prev_positions = self.prev_positions.np[:num_reqs]
+        prev_sampled = self.input_batch.prev_sampled_token_ids
+        prev_drafts = self._draft_token_ids
+        if not isinstance(prev_drafts, torch.Tensor):
+            prev_drafts = None
+        d = uniform_drafts(
+            prev_positions, draft_lens, total_num_scheduled_tokens, self.prev_num_spec_tokens
+        )
+        if d is not None and writer.write_uniform(
+            self.input_ids, num_reqs, d, prev_sampled, prev_drafts
+        ):
+            return
         carried = carried_tokens(
-            self.prev_positions.np[:num_reqs], draft_lens, cu_num_tokens, self.prev_num_spec_tokens
+            prev_positions, draft_lens, cu_num_tokens, self.prev_num_spec_tokens
         )
-        writer.write(
-            self.input_ids,
-            carried,
-            self.input_batch.prev_sampled_token_ids,
-            self._draft_token_ids,
-            total_num_scheduled_tokens,
-        )
+        writer.write(self.input_ids, carried, prev_sampled, prev_drafts, total_num_scheduled_tokens)
 
     runner._prepare_input_ids = ours(_prepare_input_ids)
