@@ -58,9 +58,13 @@ def test_matches_vllm(device: str) -> None:
     builder = VerifyMetadataBuilder(torch.device(device))
     kept = []
     for step in range(60):
-        drafts, cu_scheduled = _random_step(rng, int(rng.integers(1, 40)))
-        if step % 2:  # the int32 cumulative counts some callers pass
-            cu_scheduled = cu_scheduled.astype(np.int32)
+        if step and rng.random() < 0.3:  # the step before again (steady decoding), new tokens
+            drafts, cu_scheduled = drafts.copy(), cu_scheduled.copy()
+            input_ids.random_(0, 1000)
+        else:
+            drafts, cu_scheduled = _random_step(rng, int(rng.integers(1, 40)))
+            if step % 2:  # the int32 cumulative counts some callers pass
+                cu_scheduled = cu_scheduled.astype(np.int32)
         want = vllm_calc(drafts, cu_scheduled)
         got = builder.build(drafts, cu_scheduled, input_ids)
         assert isinstance(got, SpecDecodeMetadata)
@@ -71,6 +75,7 @@ def test_matches_vllm(device: str) -> None:
             assert g.dtype == w.dtype and g.device == w.device, field
             assert torch.equal(g, w), field
         kept.append((got, want))
+    assert 5 < builder.reuses < 30
     if device == "cpu":  # CPU steps get tensors of their own (on CUDA, stream order protects)
         got, want = kept[-2]
         for field in FIELDS:
