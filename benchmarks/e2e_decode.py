@@ -69,9 +69,9 @@ def configurations(ks: list[int]) -> dict[str, dict[str, Any]]:
         configs[f"ours k={k} (V1)"] = {"env": {}, "k": k}
     # A/B of ours at the first k (last, so the engines above keep their compile-cache indices):
     # with vLLM's own verification attention (patch_triton_attn off), and with vLLM's own
-    # verification inputs and rejection sampler (verify_metadata, verify_input_ids and
-    # patch_rejection_sampler off). GEMMA4_SPEC_GRAPHED_LAUNCHES=0 (per-step kernels launched as
-    # they are) made no difference beyond the noise at 56be685 and is not run.
+    # verification inputs, rejection sampler and draft start (verify_metadata, verify_input_ids,
+    # patch_rejection_sampler and draft_start off). GEMMA4_SPEC_GRAPHED_LAUNCHES=0 (per-step
+    # kernels launched as they are) made no difference beyond the noise at 56be685; not run.
     configs[f"ours k={ks[0]} (V1, vLLM verify attn)"] = {
         "env": {"GEMMA4_SPEC_FLAT_VERIFY": "0"},
         "k": ks[0],
@@ -81,6 +81,7 @@ def configurations(ks: list[int]) -> dict[str, dict[str, Any]]:
             "GEMMA4_SPEC_VERIFY_METADATA": "0",
             "GEMMA4_SPEC_VERIFY_INPUT_IDS": "0",
             "GEMMA4_SPEC_GREEDY_VERIFY": "0",
+            "GEMMA4_SPEC_DRAFT_START": "0",
         },
         "k": ks[0],
     }

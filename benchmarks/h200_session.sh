@@ -13,8 +13,9 @@
 #               vLLM needed; also stages part00 for step 2 ('stage' instead: only the
 #               per-step launch kernels' tests and host costs, in seconds)
 #   2. vllm     (carry part01, .devexp/wheels, .devexp/tf, .devexp/ours): installs vLLM, then
-#               the verification tests (attention, index arrays, greedy verification), their
-#               benchmarks and the GPU engine test
+#               the verification tests (attention, index arrays, carried tokens, greedy
+#               verification, draft start, count correction), their benchmarks and the GPU
+#               engine test
 #   3. e2e      (no carry): the end-to-end benchmark (about 5 minutes; E2E_K=2 for k=2 only;
 #               E2E_ONLY=<name prefixes> picks engines; E2E_SCOPES=1 times host scopes;
 #               E2E_ROUNDS timed rounds (5);
@@ -65,7 +66,8 @@ vllm|install)  # install alone: vLLM without the tests (then e2e in the same cal
     timeout 100 python3 benchmarks/draft_inputs.py --json "$OUT/draft_inputs.json" 2>&1 \
         | grep -v Warning  # imports the draft-graph sizes, hence vLLM
     timeout 100 python3 -m pytest -q tests/test_flat_verify_cuda.py tests/test_verify_metadata.py \
-        tests/test_verify_input_ids.py tests/test_greedy_verify.py > "$OUT/test_verify_cuda.log" 2>&1
+        tests/test_verify_input_ids.py tests/test_greedy_verify.py tests/test_verify_outcome.py \
+        tests/test_computed_tokens.py > "$OUT/test_verify_cuda.log" 2>&1
     echo "verification tests rc=$?"; tail -2 "$OUT/test_verify_cuda.log"
     timeout 100 python3 benchmarks/verify_step.py --json "$OUT/verify_step.json" 2>&1 \
         | grep -v Warning | tee "$OUT/verify_step.log"

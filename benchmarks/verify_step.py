@@ -1,8 +1,12 @@
 """The verification step's host work, ours against vLLM's: its index arrays
-(``spec_decode/verify_metadata.py`` against ``GPUModelRunner._calc_spec_decode_metadata``) and
-greedy verification (``ops/greedy_verify.py`` through ``patch/patch_rejection_sampler.py``
-against vLLM's ``RejectionSampler.forward``, the in-tree formula, and against the torch
-reference that defines the kernel, which reads its inputs back to the host).
+(``spec_decode/verify_metadata.py`` against ``GPUModelRunner._calc_spec_decode_metadata``;
+"ours" repeats one step, as steady decoding does, so its arrays are reused; "ours, new" alternates
+two steps), greedy verification (``ops/greedy_verify.py`` through
+``patch/patch_rejection_sampler.py`` against vLLM's ``RejectionSampler.forward``, the in-tree
+formula, and against the torch reference that defines the kernel, which reads its inputs back
+to the host), and the draft start after it (``spec_decode/draft_start.py`` over
+``ops/verify_outcome.py``, against vLLM's ``prepare_next_token_ids_padded`` +
+``prepare_inputs_padded`` and against the kernels' torch references).
 
 The step is bound by the host at small batches, so the host's CPU time per call is the first
 figure (the GPU runs behind the calls); GPU time per call is timed apart with CUDA events.
@@ -28,6 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launch_overhead import gpu_us, host_us  # noqa: E402
 
 from gemma4_spec.ops.greedy_verify import greedy_verify_reference  # noqa: E402
+from gemma4_spec.ops.verify_outcome import (  # noqa: E402
+    draft_rows_reference,
+    next_tokens_reference,
+)
+from gemma4_spec.spec_decode.draft_start import DraftStart  # noqa: E402
 from gemma4_spec.spec_decode.verify_metadata import VerifyMetadataBuilder  # noqa: E402
 from gemma4_spec.testing.verify_step import (  # noqa: E402
     greedy_sampling_metadata,
@@ -53,10 +62,12 @@ def main() -> None:
     builder = VerifyMetadataBuilder(dev)
     vllm_calc = vllm_spec_decode_metadata(dev, input_ids, 8192)
     rows = []
+    start = DraftStart(64, dev)
     print("host us / GPU us per call")
     print(
-        f"{'B':>3} {'k':>2} | index arrays: vLLM    ours        "
-        "| greedy verify: vLLM             ours       reference"
+        f"{'B':>3} {'k':>2} | index arrays: vLLM    ours          ours, new   "
+        "| greedy verify: vLLM             ours       reference "
+        "| draft start: vLLM             ours       reference"
     )
     for k in map(int, args.k.split(",")):
         for batch in map(int, args.batch.split(",")):
@@ -80,12 +91,26 @@ def main() -> None:
                 return greedy_verify_reference(lg.argmax(-1), m.draft_token_ids, c, k)
 
             assert torch.equal(our_verify().sampled_token_ids, vllm_verify().sampled_token_ids)
+            # Two steps that differ (the first request one token longer): never reused.
+            both = [cu_scheduled, cu_scheduled + 1]
+
+            def index_new(d=drafts, b=both) -> object:
+                b.reverse()
+                return builder.build(d, b[0], input_ids)
+
+            vllm_start, our_start, start_reference = _draft_starts(
+                start, our_verify().sampled_token_ids, metadata, batch, k, dev
+            )
             cases: dict[str, Callable[[], object]] = {
                 "index_vllm": lambda d=drafts, c=cu_scheduled: vllm_calc(d, c),
                 "index_ours": lambda d=drafts, c=cu_scheduled: builder.build(d, c, input_ids),
+                "index_ours_new": index_new,
                 "verify_vllm": vllm_verify,
                 "verify_ours": our_verify,
                 "verify_reference": reference,
+                "start_vllm": vllm_start,
+                "start_ours": our_start,
+                "start_reference": start_reference,
             }
             row: dict[str, object] = dict(batch=batch, k=k)
             for name, fn in cases.items():
@@ -95,10 +120,71 @@ def main() -> None:
             cells = {name: f"{row[name][0]:6.1f}/{row[name][1]:6.1f}" for name in cases}
             print(
                 f"{batch:3d} {k:2d} | {cells['index_vllm']} {cells['index_ours']} "
-                f"| {cells['verify_vllm']}   {cells['verify_ours']} {cells['verify_reference']}"
+                f"{cells['index_ours_new']} "
+                f"| {cells['verify_vllm']}   {cells['verify_ours']} {cells['verify_reference']} "
+                f"| {cells['start_vllm']}   {cells['start_ours']} {cells['start_reference']}"
             )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+def _draft_starts(
+    start: DraftStart, sampled: torch.Tensor, metadata: object, batch: int, k: int, dev: object
+) -> tuple[Callable[[], object], ...]:
+    """(vLLM's two methods, ours, the references) on one verified step of ``batch`` requests
+    with ``k`` drafts each, none discarded."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.utils import CpuGpuBuffer
+
+    ids = [f"r{i}" for i in range(batch)]
+    requests = {r: SimpleNamespace(get_token_id=lambda i: 7) for r in ids}
+    state = SimpleNamespace(
+        num_reqs=batch, req_ids=ids, num_tokens_no_spec=np.full(64, 100), vocab_size=VOCAB
+    )
+    discard = torch.zeros(64, dtype=torch.bool, device=dev)
+    total = batch * (k + 1)
+    qsl_cpu = torch.arange(0, total + 1, k + 1, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl_cpu.to(dev),
+        query_start_loc_cpu=qsl_cpu,
+        seq_lens=torch.full((batch,), 300, dtype=torch.int32, device=dev),
+        num_reqs=batch,
+        num_actual_tokens=total,
+        max_query_len=k + 1,
+        max_seq_len=300,
+        block_table_tensor=torch.zeros(batch, 32, dtype=torch.int32, device=dev),
+        slot_mapping=torch.arange(total, device=dev),
+    )
+
+    def backup() -> CpuGpuBuffer:
+        return CpuGpuBuffer(64, dtype=torch.int32, device=dev, pin_memory=torch.cuda.is_available())
+
+    theirs = SimpleNamespace(backup_next_token_ids=backup())
+    ours_backup = backup()
+    base = SpecDecodeBaseProposer
+
+    def vllms() -> object:
+        _, kept = base.prepare_next_token_ids_padded(theirs, sampled, requests, state, discard)
+        return base.prepare_inputs_padded(theirs, common, metadata, kept)
+
+    def ours() -> object:
+        _, kept = start.next_tokens(sampled, requests, state, discard, ours_backup)
+        return start.rows(common, metadata.cu_num_draft_tokens, kept)  # type: ignore[attr-defined]
+
+    def reference() -> object:
+        _, kept = next_tokens_reference(sampled, discard, ours_backup.gpu, VOCAB)
+        return draft_rows_reference(
+            metadata.cu_num_draft_tokens,
+            kept,
+            common.query_start_loc,
+            batch,  # type: ignore[attr-defined]
+        )
+
+    assert all(torch.equal(a, b) for a, b in zip(ours()[1:], vllms()[1:], strict=True))
+    return vllms, ours, reference
 
 
 if __name__ == "__main__":

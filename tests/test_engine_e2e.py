@@ -125,6 +125,8 @@ def test_greedy_verification_took_the_plugin_paths(runs, kind: str, k: int) -> N
     spec = runs[f"{kind}-k{k}"]
     assert spec.verify_metadata_builds > 0
     assert spec.greedy_verify_batches > 0
+    # The next tokens and draft rows after each verification came from our draft start.
+    assert spec.draft_start_calls > 0
     # Sampling at a temperature goes through vLLM's rejection sampler.
     assert runs["centroids-k3-sampled"].greedy_verify_batches == 0
     assert runs["centroids-k3-sampled"].verify_metadata_builds > 0

@@ -130,3 +130,8 @@ def test_verification_took_the_plugin_paths(runs, target: str) -> None:  # type:
     # Async scheduling (on by default on CUDA): the carried tokens went through our writer
     # (spec_decode/verify_input_ids.py).
     assert runs[f"{target}-ours"].verify_input_ids_writes > 0
+    # In steady decoding: block copies, reused index arrays, draft starts replayed from graphs.
+    assert runs[f"{target}-ours"].verify_input_ids_uniform > 0
+    assert runs[f"{target}-ours"].verify_metadata_reuses > 0
+    assert runs[f"{target}-ours"].draft_start_graph_replays > 0
+    assert runs[f"{target}-ours"].correction_graph_replays > 0

@@ -57,6 +57,7 @@ def test_matches_vllm(device: str) -> None:
     vllm_calc = vllm_spec_decode_metadata(device, input_ids, 4096)
     builder = VerifyMetadataBuilder(torch.device(device))
     kept = []
+    drafts, cu_scheduled = _random_step(rng, 1)
     for step in range(60):
         if step and rng.random() < 0.3:  # the step before again (steady decoding), new tokens
             drafts, cu_scheduled = drafts.copy(), cu_scheduled.copy()

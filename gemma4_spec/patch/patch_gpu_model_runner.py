@@ -11,6 +11,10 @@ Wraps, when the runner's drafter is ours (otherwise vLLM's methods run as they a
   the drafter's ``verify_input_ids`` writes them (``spec_decode/verify_input_ids.py``: the same
   scatters from one transfer). vLLM's method runs for everything else: no carried tokens,
   prompt embeddings, or a pipeline-parallel receive to wait for (0.32 added that wait).
+
+Replaces the runner module's ``update_num_computed_tokens_for_batch_change`` (async scheduling's
+correction of computed-token counts) with ``spec_decode/computed_tokens.py``'s graphed wrapper,
+which calls vLLM's function as it is for runners whose drafter is not ours.
 vLLM versions: 0.26 - 0.33 (the names, the methods' signatures and the runner state they read
 are the same in all of them).
 """
@@ -30,6 +34,7 @@ RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 
 
 def apply(runner_module: ModuleType) -> None:
+    from gemma4_spec.spec_decode import computed_tokens
     from gemma4_spec.spec_decode.proposer import Gemma4Proposer
     from gemma4_spec.spec_decode.verify_input_ids import carried_tokens, uniform_drafts
 
@@ -38,6 +43,7 @@ def apply(runner_module: ModuleType) -> None:
             f"{RUNNER_MODULE} has no Gemma4Proposer: this vLLM is not one gemma4-spec supports."
         )
     runner_module.Gemma4Proposer = Gemma4Proposer
+    computed_tokens.install(runner_module)
 
     runner = runner_module.GPUModelRunner
     vllms = runner._calc_spec_decode_metadata

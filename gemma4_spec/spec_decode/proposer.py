@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from copy import copy
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +49,9 @@ from gemma4_spec.patch.patch_rejection_sampler import (
     GreedyVerifyStats,
     greedy_verify_enabled,
 )
+from gemma4_spec.spec_decode.computed_tokens import register_runner
 from gemma4_spec.spec_decode.draft_graphs import DraftLoopGraphs, loop_graph_size
+from gemma4_spec.spec_decode.draft_start import DraftStart, draft_start_enabled
 from gemma4_spec.spec_decode.kv_scales import share_kv_scales
 from gemma4_spec.spec_decode.sampler_graphs import GraphedGreedySampler
 from gemma4_spec.spec_decode.verify_input_ids import VerifyInputIds, verify_input_ids_enabled
@@ -75,6 +78,11 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         # Async scheduling's carried tokens into the verification step's input ids, in one
         # transfer (asked the same way; None: vLLM writes them).
         self.verify_input_ids = VerifyInputIds(device) if verify_input_ids_enabled() else None
+        # Each request's next token and first draft row after verification, from graphed
+        # launches (None: the base class's methods).
+        self.draft_start = (
+            DraftStart(self.max_batch_size, device) if draft_start_enabled() else None
+        )
 
     # The runner hands over each KV cache group's block table before proposing.
     def set_per_group_block_table(self, gid: int, block_table: torch.Tensor) -> None:
@@ -84,6 +92,41 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         """KV cache group ``gid``'s block table this step (the runner's; rows may run past the
         batch). The group the runner built ``metadata`` for may have none of its own."""
         return self._block_tables.get(gid, metadata.block_table_tensor)
+
+    def prepare_next_token_ids_padded(
+        self,
+        sampled_token_ids: torch.Tensor,
+        requests: dict[str, Any],
+        gpu_input_batch: Any,
+        discard_request_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.draft_start is None:
+            return super().prepare_next_token_ids_padded(
+                sampled_token_ids, requests, gpu_input_batch, discard_request_mask
+            )
+        return self.draft_start.next_tokens(
+            sampled_token_ids,
+            requests,
+            gpu_input_batch,
+            discard_request_mask,
+            self.backup_next_token_ids,
+        )
+
+    def prepare_inputs_padded(
+        self,
+        common_attn_metadata: CommonAttentionMetadata,
+        spec_decode_metadata: Any,
+        valid_sampled_tokens_count: torch.Tensor,
+    ) -> tuple[CommonAttentionMetadata, torch.Tensor, torch.Tensor]:
+        if self.draft_start is None:
+            return super().prepare_inputs_padded(
+                common_attn_metadata, spec_decode_metadata, valid_sampled_tokens_count
+            )
+        return self.draft_start.rows(
+            common_attn_metadata,
+            spec_decode_metadata.cu_num_draft_tokens,
+            valid_sampled_tokens_count,
+        )
 
     def _greedy_sample(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.sampler is not None:
@@ -313,6 +356,7 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         super().load_model(target_model)
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         share_kv_scales(self._draft_attn_layer_names, layers)
+        register_runner(self._runner)  # async scheduling's count correction, graphed
         # The runner's rejection sampler exists by now: let it verify greedy batches itself.
         sampler = getattr(self._runner, "rejection_sampler", None)
         if sampler is not None and greedy_verify_enabled():

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from gemma4_spec.metrics import Acceptance, spec_metrics
+from gemma4_spec.patch.patch_gpu_model_runner import RUNNER_MODULE
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
 from gemma4_spec.patch.patch_triton_attn import flatten_replays_of, rewrites_of
+from gemma4_spec.spec_decode.computed_tokens import CORRECTION_NAME, GraphedCorrection
 
 # Values of RunResult.proposer_class: this plugin's proposer, and vLLM's own.
 PLUGIN_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
@@ -78,6 +80,17 @@ class RunResult:
     # Steps whose carried tokens (async scheduling: GPU only) our writer put into the input
     # ids (spec_decode/verify_input_ids.py).
     verify_input_ids_writes: int = 0
+    # Of those, steady-state steps written as two block copies.
+    verify_input_ids_uniform: int = 0
+    # Index-array builds that reused the previous step's arrays.
+    verify_metadata_reuses: int = 0
+    # Verified steps whose next tokens and draft rows our launches gave
+    # (spec_decode/draft_start.py), and how many of those launches replayed a CUDA graph.
+    draft_start_calls: int = 0
+    draft_start_graph_replays: int = 0
+    # Async scheduling's computed-token corrections replayed from CUDA graphs
+    # (spec_decode/computed_tokens.py).
+    correction_graph_replays: int = 0
 
     @property
     def acceptance(self) -> Acceptance:
@@ -155,6 +168,11 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     result.verify_metadata_builds = worker["verify_metadata_builds"]
     result.greedy_verify_batches = worker["greedy_verify_batches"]
     result.verify_input_ids_writes = worker["verify_input_ids_writes"]
+    result.verify_input_ids_uniform = worker["verify_input_ids_uniform"]
+    result.verify_metadata_reuses = worker["verify_metadata_reuses"]
+    result.draft_start_calls = worker["draft_start_calls"]
+    result.draft_start_graph_replays = worker["draft_start_graph_replays"]
+    result.correction_graph_replays = worker["correction_graph_replays"]
     del llm
     return result
 
@@ -171,6 +189,8 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
     loops = getattr(drafter, "loop_graphs", None)
     verify_metadata = getattr(drafter, "verify_metadata", None)
     input_ids = getattr(drafter, "verify_input_ids", None)
+    start = getattr(drafter, "draft_start", None)
+    correction = getattr(sys.modules.get(RUNNER_MODULE), CORRECTION_NAME, None)
     greedy = getattr(getattr(runner, "rejection_sampler", None), GREEDY_VERIFY_ATTR, None)
     builders = [
         builder
@@ -191,6 +211,15 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "verify_metadata_builds": 0 if verify_metadata is None else verify_metadata.builds,
         "greedy_verify_batches": 0 if greedy is None else greedy.batches,
         "verify_input_ids_writes": 0 if input_ids is None else input_ids.writes,
+        "verify_input_ids_uniform": 0 if input_ids is None else input_ids.uniform_writes,
+        "verify_metadata_reuses": 0 if verify_metadata is None else verify_metadata.reuses,
+        "draft_start_calls": 0 if start is None else start.calls,
+        "draft_start_graph_replays": 0
+        if start is None
+        else start.next_launches.replays + start.row_launches.replays,
+        "correction_graph_replays": correction.launches.replays
+        if isinstance(correction, GraphedCorrection)
+        else 0,
     }
 
 
