@@ -26,20 +26,22 @@ def report_figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
 
 
 @pytest.fixture
-def triton_interpreter() -> Callable[[str], subprocess.CompletedProcess[str]]:
-    """``run(code)``: ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (it must be set
-    before triton is imported), the repository root and ``tests/`` importable; Triton kernels
-    then run on CPU tensors."""
+def check_under_interpreter() -> Callable[[str, str], None]:
+    """``check(module, function)``: calls ``function('cpu')`` of the test module ``module`` in a
+    fresh Python with ``TRITON_INTERPRET=1`` (it must be set before triton is imported), where
+    Triton kernels run on CPU tensors; fails with that Python's output if it does."""
     tests = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1")
     env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests), env.get("PYTHONPATH", "")])
 
-    def run(code: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
+    def check(module: str, function: str) -> None:
+        code = f"import {module} as t; t.{function}('cpu')"
+        out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
         )
+        assert out.returncode == 0, out.stdout + out.stderr
 
-    return run
+    return check
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -108,7 +108,5 @@ def test_kernel_replays_in_cuda_graph() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA test covers it)")
-def test_kernel_matches_reference_under_interpreter(triton_interpreter) -> None:  # type: ignore[no-untyped-def]
-    code = "import test_flat_queries as t; t._check_kernel_against_reference('cpu')"
-    out = triton_interpreter(code)
-    assert out.returncode == 0, out.stdout + out.stderr
+def test_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
+    check_under_interpreter("test_flat_queries", "_check_kernel_against_reference")
