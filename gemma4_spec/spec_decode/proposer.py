@@ -19,6 +19,9 @@ What differs from vLLM's generic draft-model flow (``SpecDecodeBaseProposer``):
   draft over every token the target just processed (the whole prompt after a prefill, all k + 1
   verified tokens after a decode step) to fill a draft KV cache; the assistant has none, so only
   the last accepted token of each request matters. Every step is then the same shape: B tokens.
+* After verification, the runner's two questions to the drafter (each request's next token and
+  kept count; the row its drafting starts from) are answered by ``draft_start.py`` from graphed
+  launches rather than by the base class's Python-launched kernels.
 """
 
 from __future__ import annotations
