@@ -76,6 +76,20 @@ class FlatQueryBuffers:
         self.seq_lens = torch.zeros(capacity, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(capacity, width, dtype=torch.int32, device=device)
         self.launches = GraphedLaunches("query flattening")
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query_start_loc ``[N + 1]``, seq_lens ``[N]``, block_table ``[N, W]``) of
+        ``N = num_tokens`` rows, made once per ``N`` (slicing costs the host every step)."""
+        views = self._views.get(num_tokens)
+        if views is None:
+            views = (
+                self.query_start_loc[: num_tokens + 1],
+                self.seq_lens[:num_tokens],
+                self.block_table[:num_tokens],
+            )
+            self._views[num_tokens] = views
+        return views
 
 
 def flatten_queries(
@@ -93,9 +107,7 @@ def flatten_queries(
     if block_table.dtype != torch.int32 or block_table.stride(1) != 1:
         raise ValueError("block_table must be int32 with contiguous rows")
     num_reqs = seq_lens.shape[0]
-    starts = out.query_start_loc[: num_tokens + 1]
-    lens = out.seq_lens[:num_tokens]
-    table = out.block_table[:num_tokens]
+    starts, lens, table = out.views(num_tokens)
     width = min(out.width, block_table.shape[1])
     if not triton_usable(block_table.device):
         ref = flatten_queries_reference(query_start_loc, seq_lens, block_table, num_tokens)

@@ -34,6 +34,7 @@ from typing import Any
 
 from gemma4_spec.compat import flat_verify_supported
 from gemma4_spec.log import get_logger
+from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries
 from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
 
@@ -89,8 +90,6 @@ class FlatVerify:
     def rewrite(self, common: Any, metadata: Any) -> Any:
         if not self.applies(common, metadata):
             return metadata
-        from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries
-
         table = metadata.block_table
         if self._buffers is None:  # the runner's block tables keep one width
             self._buffers = FlatQueryBuffers(self.capacity, table.shape[1], table.device)
