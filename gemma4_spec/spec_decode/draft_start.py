@@ -19,7 +19,6 @@ import dataclasses
 import os
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -59,6 +58,8 @@ class DraftStart:
 
         self._sets = (buffers(), buffers())  # (next, kept, row, rejected), twice
         self._current = 1
+        # Views of the first B rows of each set, made once per (set, B): slicing costs the host.
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.next_launches = GraphedLaunches("next-token selection", max_graphs=8)
         self.row_launches = GraphedLaunches("draft-row selection", max_graphs=8)
         init = {f.name for f in dataclasses.fields(CommonAttentionMetadata) if f.init}
@@ -82,13 +83,24 @@ class DraftStart:
         self._current ^= 1
         nxt, kept = self._sets[self._current][:2]
         num_reqs = batch.num_reqs
-        last = batch.num_tokens_no_spec
-        ids = batch.req_ids
-        for i in range(num_reqs):
-            backup.np[i] = requests[ids[i]].get_token_id(int(last[i]) - 1)
+        # Each request's last known token (used where a request is discarded).
+        last = batch.num_tokens_no_spec[:num_reqs].tolist()
+        backup.np[:num_reqs] = [
+            requests[r].get_token_id(n - 1)
+            for r, n in zip(batch.req_ids[:num_reqs], last, strict=True)
+        ]
         backup.copy_to_gpu(num_reqs)
         next_tokens(sampled, discard, backup.gpu, batch.vocab_size, nxt, kept, self.next_launches)
-        return nxt[:b], kept[:b]
+        return self._first(b)[:2]
+
+    def _first(self, b: int) -> tuple[torch.Tensor, ...]:
+        """The current set's buffers, first ``b`` rows."""
+        key = (self._current, b)
+        views = self._views.get(key)
+        if views is None:
+            views = tuple(t[:b] for t in self._sets[self._current])
+            self._views[key] = views
+        return views
 
     def rows(
         self,
@@ -108,8 +120,9 @@ class DraftStart:
         view = CommonAttentionMetadata(
             **{name: getattr(common, name) for name in self._kept_fields},
             num_actual_tokens=total,
-            max_query_len=int(np.diff(starts).max()),
+            max_query_len=int((starts[1:] - starts[:-1]).max()),
             slot_mapping=common.slot_mapping[:total],
             causal=True,
         )
-        return view, row[:n], rejected[:n]
+        first = self._first(n)
+        return view, first[2], first[3]
