@@ -111,15 +111,22 @@ def test_matches_vllm(device: str) -> None:
 def test_uniform_drafts() -> None:
     from gemma4_spec.spec_decode.verify_input_ids import uniform_drafts
 
-    rows = np.arange(3)
-    assert uniform_drafts(rows, np.array([2, 2, 2]), 9, 2) == 2
-    assert uniform_drafts(rows, np.array([1, 1, 1]), 6, 2) == 1  # fewer than last time
-    assert uniform_drafts(rows, np.array([0, 0, 0]), 3, 2) == 0
-    assert uniform_drafts(rows, np.array([2, 2, 2]), 9, 1) is None  # more than last time
-    assert uniform_drafts(rows, np.array([2, 1, 2]), 8, 2) is None
-    assert uniform_drafts(np.array([1, 0, 2]), np.array([2, 2, 2]), 9, 2) is None  # reordered
-    assert uniform_drafts(np.array([0, 1, -1]), np.array([2, 2, 0]), 10, 2) is None  # a new one
-    assert uniform_drafts(rows, np.array([2, 2, 2]), 10, 2) is None  # a longer request
+    rows, ids = np.arange(3), ["a", "b", "c"]
+
+    def drafts(*lens: int) -> dict[str, list[int]]:
+        return {r: [0] * n for r, n in zip(ids, lens, strict=True) if n}
+
+    assert uniform_drafts(rows, ids, drafts(2, 2, 2), 9, 2) == 2
+    assert uniform_drafts(rows, ids, drafts(1, 1, 1), 6, 2) == 1  # fewer than last time
+    assert uniform_drafts(rows, ids, drafts(0, 0, 0), 3, 2) is None  # vLLM's own shortcut
+    assert uniform_drafts(rows, ids, drafts(2, 2, 2), 9, 1) is None  # more than last time
+    assert uniform_drafts(rows, ids, drafts(2, 1, 2), 8, 2) is None
+    assert uniform_drafts(rows, ids, drafts(2, 2, 0), 7, 2) is None  # one without drafts
+    assert uniform_drafts(np.array([1, 0, 2]), ids, drafts(2, 2, 2), 9, 2) is None  # reordered
+    assert uniform_drafts(np.array([0, 1, -1]), ids, drafts(2, 2, 2), 9, 2) is None  # a new one
+    assert uniform_drafts(rows, ids, drafts(2, 2, 2), 10, 2) is None  # a longer request
+    other = {"a": [0, 0], "b": [0, 0], "x": [0, 0]}  # an id not in the batch
+    assert uniform_drafts(rows, ids, other, 9, 2) is None
 
 
 def test_falls_back_to_vllm_without_carried_tokens() -> None:

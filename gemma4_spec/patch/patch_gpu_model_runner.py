@@ -83,21 +83,25 @@ def apply(runner_module: ModuleType) -> None:
             )
         scheduled = scheduler_output.scheduled_spec_decode_tokens
         req_ids = self.input_batch.req_ids[:num_reqs]
-        draft_lens = np.fromiter(
-            (len(scheduled.get(r, ())) for r in req_ids), dtype=np.int64, count=num_reqs
-        )
         prev_positions = self.prev_positions.np[:num_reqs]
         prev_sampled = self.input_batch.prev_sampled_token_ids
         prev_drafts = self._draft_token_ids
         if not isinstance(prev_drafts, torch.Tensor):
             prev_drafts = None
         d = uniform_drafts(
-            prev_positions, draft_lens, total_num_scheduled_tokens, self.prev_num_spec_tokens
+            prev_positions,
+            req_ids,
+            scheduled,
+            total_num_scheduled_tokens,
+            self.prev_num_spec_tokens,
         )
         if d is not None and writer.write_uniform(
             self.input_ids, num_reqs, d, prev_sampled, prev_drafts
         ):
             return
+        draft_lens = np.fromiter(
+            (len(scheduled.get(r, ())) for r in req_ids), dtype=np.int64, count=num_reqs
+        )
         carried = carried_tokens(
             prev_positions, draft_lens, cu_num_tokens, self.prev_num_spec_tokens
         )

@@ -28,6 +28,7 @@ step has tokens to carry; ``GEMMA4_SPEC_VERIFY_INPUT_IDS=0`` keeps vLLM's.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
 
 import numpy as np
@@ -88,20 +89,26 @@ def carried_tokens(
 
 def uniform_drafts(
     prev_positions: np.ndarray,
-    draft_lens: np.ndarray,
+    req_ids: Sequence[str],
+    scheduled_drafts: Mapping[str, Sized],
     total_num_scheduled_tokens: int,
     prev_num_drafts: int,
 ) -> int | None:
-    """``d`` if every request kept its row from the previous step and has ``d`` drafts (at
-    most the previous step's per-row count) and ``1 + d`` scheduled tokens; otherwise None."""
+    """``d`` if every request (``req_ids``, in batch order) kept its row from the previous step
+    and has ``d > 0`` drafts (``scheduled_drafts``, by request id; at most the previous step's
+    per-row count) and ``1 + d`` scheduled tokens; otherwise None. Asked of the scheduler's
+    mapping as a whole: no per-request Python loop on the steady path."""
     num_reqs = prev_positions.shape[0]
-    if num_reqs == 0:
+    if num_reqs == 0 or len(scheduled_drafts) != num_reqs:
         return None
-    d = int(draft_lens[0])
+    lens = set(map(len, scheduled_drafts.values()))
+    if len(lens) != 1:
+        return None
+    d = lens.pop()
     if (
-        d > prev_num_drafts
+        not 0 < d <= prev_num_drafts
         or total_num_scheduled_tokens != num_reqs * (d + 1)
-        or (num_reqs > 1 and not (draft_lens == d).all())
+        or scheduled_drafts.keys() != set(req_ids)
         or not (prev_positions == np.arange(num_reqs)).all()
     ):
         return None
@@ -116,6 +123,7 @@ class VerifyInputIds:
         self._buffer = TransferBuffer(device, torch.int64, min_size=1024)
         self.writes = 0
         self.uniform_writes = 0  # of which, steady-state steps (``write_uniform``)
+        self._columns: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def write_uniform(
         self,
@@ -140,11 +148,15 @@ class VerifyInputIds:
         self.writes += 1
         self.uniform_writes += 1
         gpu: torch.Tensor = input_ids.gpu  # type: ignore[attr-defined]
-        block = gpu[: num_reqs * (d + 1)].view(num_reqs, d + 1)
-        block[:, 0].copy_(prev_sampled[:num_reqs, 0], non_blocking=True)
+        key = (gpu.data_ptr(), num_reqs, d)
+        columns = self._columns.get(key)
+        if columns is None:  # the block's two column views, made once per shape
+            block = gpu[: num_reqs * (d + 1)].view(num_reqs, d + 1)
+            columns = self._columns[key] = (block[:, 0], block[:, 1:])
+        columns[0].copy_(prev_sampled[:num_reqs, 0], non_blocking=True)
         if d > 0:
             assert prev_drafts is not None
-            block[:, 1:].copy_(prev_drafts[:num_reqs, :d], non_blocking=True)
+            columns[1].copy_(prev_drafts[:num_reqs, :d], non_blocking=True)
         return True
 
     def _send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
