@@ -86,6 +86,8 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         self.draft_start = (
             DraftStart(self.max_batch_size, device) if draft_start_enabled() else None
         )
+        # Batch size -> (graph mode, padded size, None), once vLLM's graph sizes are settled.
+        self._padding: dict[int, tuple[CUDAGraphMode, int, None]] = {}
 
     # The runner hands over each KV cache group's block table before proposing.
     def set_per_group_block_table(self, gid: int, block_table: torch.Tensor) -> None:
@@ -95,6 +97,27 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         """KV cache group ``gid``'s block table this step (the runner's; rows may run past the
         batch). The group the runner built ``metadata`` for may have none of its own."""
         return self._block_tables.get(gid, metadata.block_table_tensor)
+
+    def _determine_batch_execution_and_padding(
+        self, num_tokens: int, use_cudagraphs: bool = True
+    ) -> tuple[CUDAGraphMode, int, torch.Tensor | None]:
+        """The base class's answer, remembered per batch size where it can only repeat
+        itself: one data-parallel rank, graphs allowed, and the dispatcher's graph sizes
+        settled (they are once the runner has captured)."""
+        base = SpecDecodeBaseProposer._determine_batch_execution_and_padding
+        if (
+            not use_cudagraphs
+            or self.vllm_config.parallel_config.data_parallel_size > 1
+            or not getattr(self.cudagraph_dispatcher, "keys_initialized", False)
+        ):
+            return base(self, num_tokens, use_cudagraphs)
+        hit = self._padding.get(num_tokens)
+        if hit is None:
+            mode, padded, across_dp = base(self, num_tokens, use_cudagraphs)
+            if across_dp is not None:  # not expected with one rank: do not remember it
+                return mode, padded, across_dp
+            hit = self._padding[num_tokens] = (mode, padded, None)
+        return hit
 
     def prepare_next_token_ids_padded(
         self,
