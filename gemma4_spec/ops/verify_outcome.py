@@ -76,6 +76,8 @@ def next_tokens(
     """``next_tokens_reference`` into ``out_next[:B]`` and ``out_kept[:B]`` (int32). With
     ``launches``, a launch over tensors seen before replays its graph."""
     b, t = sampled.shape
+    if sampled.stride(1) != 1:  # the kernel walks each row's slots one element apart
+        sampled = sampled.contiguous()
     if not triton_usable(sampled.device):
         nxt, kept = next_tokens_reference(sampled, discard, backup, vocab_size)
         out_next[:b].copy_(nxt)
