@@ -181,6 +181,7 @@ def _worker(args: argparse.Namespace) -> None:
                 name: [statistics.median(r[name][i] for r in scope_ms[b]) for i in range(3)]
                 for name in scope_ms[b][0]
             }
+            results[str(b)]["scopes_all"] = scope_ms[b]  # per round, to compare slow and fast
     Path(args.out).write_text(json.dumps(results))
 
 
@@ -328,6 +329,27 @@ def _print_table(results: dict[str, Any]) -> None:
             _print_scopes(name, per_batch, batches)
 
 
+def _print_round_spread(name: str, per_batch: dict[str, Any], batches: list[str]) -> None:
+    """Where one engine's slowest round spent its extra time over its fastest: the scopes whose
+    wall time per step differs most between the two rounds (the two outermost left out: they
+    hold everything)."""
+    outer = {"llm_engine:LLMEngine.step", "core_client:InprocClient.get_output"}
+    print(f"\n{name}: slowest minus fastest round, ms per step, largest scope differences")
+    for b in batches:
+        rounds, per_round = per_batch[b]["step_ms_all"], per_batch[b].get("scopes_all")
+        if not per_round:
+            continue
+        fast, slow = rounds.index(min(rounds)), rounds.index(max(rounds))
+        diffs = {
+            scope: per_round[slow][scope][1] - per_round[fast][scope][1]
+            for scope in per_round[fast]
+            if scope in per_round[slow] and scope not in outer
+        }
+        top = sorted(diffs.items(), key=lambda item: -abs(item[1]))[:6]
+        cells = ", ".join(f"{scope} {diff:+.3f}" for scope, diff in top)
+        print(f"  B={b}: step {rounds[slow] - rounds[fast]:+.3f}: {cells}")
+
+
 def _print_scopes(name: str, per_batch: dict[str, Any], batches: list[str]) -> None:
     """One engine's host scopes per decode step (``host_scopes.py``), indented by nesting."""
     from host_scopes import depth_of
@@ -341,6 +363,7 @@ def _print_scopes(name: str, per_batch: dict[str, Any], batches: list[str]) -> N
             calls, wall, cpu = per_batch[b]["scopes"].get(scope, (0.0, 0.0, 0.0))
             cells.append(f"{wall:6.3f} / {cpu:6.3f} ({calls:3.1f})")
         print(f"{label:80}" + "".join(f"{c:>24}" for c in cells))
+    _print_round_spread(name, per_batch, batches)
 
 
 if __name__ == "__main__":
