@@ -45,9 +45,10 @@ ENGINE = dict(
 )
 
 
-def engine_kwargs(workdir: str, spec_tokens: int) -> dict[str, Any]:
+def engine_kwargs(workdir: str, spec_tokens: int, local_argmax: bool = False) -> dict[str, Any]:
     """``LLM(...)`` arguments for the pair in ``workdir``: plain decoding for 0 speculative
-    tokens, gemma4_mtp with that many otherwise."""
+    tokens, gemma4_mtp with that many otherwise (``local_argmax``: Model Runner V2's speculator
+    drafts greedily through the draft model's ``get_top_tokens``)."""
     kwargs: dict[str, Any] = dict(ENGINE, model=str(Path(workdir) / "target"))
     if spec_tokens:
         kwargs["speculative_config"] = {
@@ -55,10 +56,12 @@ def engine_kwargs(workdir: str, spec_tokens: int) -> dict[str, Any]:
             "model": str(Path(workdir) / "assistant"),
             "num_speculative_tokens": spec_tokens,
         }
+        if local_argmax:
+            kwargs["speculative_config"]["use_local_argmax_reduction"] = True
     return kwargs
 
 
-def configurations(ks: list[int]) -> dict[str, dict[str, Any]]:
+def configurations(ks: list[int], v2_experiment: bool = False) -> dict[str, dict[str, Any]]:
     """name -> environment and speculative config of one engine."""
     configs: dict[str, dict[str, Any]] = {
         "plain (V2, vLLM default)": {"env": {"VLLM_PLUGINS": "none"}, "k": 0},
@@ -85,6 +88,13 @@ def configurations(ks: list[int]) -> dict[str, dict[str, Any]]:
         },
         "k": ks[0],
     }
+    if v2_experiment:  # not run unless asked: an engine that fails to start stops the run
+        for k in ks:
+            configs[f"ours k={k} (V2 speculator, experimental)"] = {
+                "env": {"GEMMA4_SPEC_EXPERIMENTAL_V2": "1"},
+                "k": k,
+                "local_argmax": True,
+            }
     return configs
 
 
@@ -99,7 +109,7 @@ def _worker(args: argparse.Namespace) -> None:
     from gemma4_spec.metrics import Acceptance, spec_metrics
 
     control = Path(args.control)
-    llm = LLM(**engine_kwargs(args.workdir, args.spec_tokens))
+    llm = LLM(**engine_kwargs(args.workdir, args.spec_tokens, args.local_argmax))
     if args.scopes:
         sys.path.insert(0, str(Path(__file__).parent))
         import host_scopes
@@ -208,6 +218,12 @@ def main() -> int:
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--spec-tokens", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--local-argmax", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--v2-experiment",
+        action="store_true",
+        help="also run ours on Model Runner V2 (GEMMA4_SPEC_EXPERIMENTAL_V2; not run yet)",
+    )
     args, _ = parser.parse_known_args()
     if args.build:
         _build(args.workdir)
@@ -219,7 +235,7 @@ def main() -> int:
     started = time.perf_counter()
     subprocess.run([sys.executable, __file__, "--build", "--workdir", args.workdir], check=True)
     print(f"checkpoints ready in {time.perf_counter() - started:.0f} s", flush=True)
-    configs = configurations([int(k) for k in args.k.split(",")])
+    configs = configurations([int(k) for k in args.k.split(",")], args.v2_experiment)
     if args.only:
         wanted = args.only.split(",")
         configs = {n: c for n, c in configs.items() if any(n.startswith(w) for w in wanted)}
@@ -242,6 +258,7 @@ def main() -> int:
                "--batch", args.batch, "--spec-tokens", str(config["k"]), "--rounds",
                str(args.rounds), "--start-timeout", str(args.start_timeout)]  # fmt: skip
         cmd += ["--scopes"] * args.scopes
+        cmd += ["--local-argmax"] * bool(config.get("local_argmax"))
         procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
 
     deadline = time.monotonic() + args.start_timeout

@@ -18,7 +18,8 @@
 #               engine test
 #   3. e2e      (no carry): the end-to-end benchmark (about 5 minutes; E2E_K=2 for k=2 only;
 #               E2E_ONLY=<name prefixes> picks engines; E2E_SCOPES=1 times host scopes;
-#               E2E_ROUNDS timed rounds (5);
+#               E2E_ROUNDS timed rounds (5); E2E_V2=1 adds ours on Model Runner V2,
+#               experimental: pick it with E2E_ONLY, e.g. "plain (V2,in-tree k=2,ours k=2 (V2")
 #               E2E_TAIL=<lines> of the log shown)
 #   4. profile  (no carry, optional): torch.profiler of ours (k=2) and of plain V1, batch 1,
 #               with where the GPU idles waiting on the host
@@ -81,7 +82,8 @@ e2e)
     timeout "${E2E_TIMEOUT:-570}" python3 benchmarks/e2e_decode.py --workdir /tmp/e2b \
         --batch 1,8,32 --k "${E2E_K:-2,4}" \
         --start-timeout 400 --json "$OUT/e2e_decode.json" ${E2E_ONLY:+--only "$E2E_ONLY"} \
-        ${E2E_SCOPES:+--scopes} --rounds "${E2E_ROUNDS:-5}" > "$OUT/e2e.log" 2>&1
+        ${E2E_SCOPES:+--scopes} ${E2E_V2:+--v2-experiment} --rounds "${E2E_ROUNDS:-5}" \
+        > "$OUT/e2e.log" 2>&1
     echo "e2e rc=$?"; grep -v "Capturing\|it/s" "$OUT/e2e.log" | tail -"${E2E_TAIL:-12}"
     ;;
 profile)  # ours k=2 and plain V1 at batch 1 (PROFILE_RUNS picks others)

@@ -69,9 +69,9 @@ def _check_parallelism(spec_config: Any) -> None:
 
 def check_model_runner() -> None:
     """Our proposer runs on vLLM's V1 model runner; an explicit request for V2 cannot use it."""
-    from gemma4_spec.patch.patch_vllm_config import explicit_runner_choice
+    from gemma4_spec.patch.patch_vllm_config import experimental_v2, explicit_runner_choice
 
-    if explicit_runner_choice():
+    if explicit_runner_choice() and not experimental_v2():
         raise UnsupportedConfigurationError(
             "VLLM_USE_V2_MODEL_RUNNER=1 is set, but gemma4-spec's gemma4_mtp proposer runs on "
             "vLLM's V1 model runner. Unset VLLM_USE_V2_MODEL_RUNNER (the plugin then selects V1 "

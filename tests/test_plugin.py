@@ -323,11 +323,24 @@ def test_real_vllm_config_is_patched_in_engine_processes() -> None:
 def test_explicit_v2_runner_is_rejected_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
     from gemma4_spec.checks import UnsupportedConfigurationError, check_model_runner
 
+    monkeypatch.delenv(patch_vllm_config.EXPERIMENTAL_V2_ENV, raising=False)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
     with pytest.raises(UnsupportedConfigurationError, match="VLLM_USE_V2_MODEL_RUNNER"):
         check_model_runner()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     check_model_runner()
+
+
+def test_experimental_v2_leaves_vllms_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gemma4_spec.checks import check_model_runner
+
+    monkeypatch.setenv(patch_vllm_config.EXPERIMENTAL_V2_ENV, "1")
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    module = _patched_config_module()
+    assert module.VllmConfig("gemma4_mtp", True).use_v2_model_runner is True
+    assert module.VllmConfig("gemma4_mtp", False).use_v2_model_runner is False
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    check_model_runner()  # asked for, so not rejected
 
 
 # --- compat: the one API difference between vLLM 0.26 and 0.32 that we meet -----------------

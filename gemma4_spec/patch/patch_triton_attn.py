@@ -18,10 +18,11 @@ on the number of tokens (the graph's key) and ``max_query_len``; full graphs for
 (``cudagraph_mode`` FULL) would be captured with one ``max_query_len`` and replayed with
 another, so that mode turns it off. Also off for: CPU, other speculative methods, more tokens
 than the decode kernel takes (``seq_threshold_3D``) or than ``FLAT_VERIFY_MAX_TOKENS`` (where
-the split no longer pays), cascade attention, multimodal prefix
-ranges, rolling sliding windows, decode context parallelism, micro-batching, KV-sharing fast
-prefill (its metadata derives logits indices from the query layout), vLLM versions
-other than ``compat.FLAT_VERIFY_VLLM``, and with ``GEMMA4_SPEC_FLAT_VERIFY=0``.
+the split no longer pays), cascade attention, multimodal prefix ranges, rolling sliding
+windows, decode context parallelism, micro-batching, KV-sharing fast prefill (its metadata
+derives logits indices from the query layout), the experimental Model Runner V2 path
+(``patch_vllm_config``), vLLM versions other than ``compat.FLAT_VERIFY_VLLM``, and with
+``GEMMA4_SPEC_FLAT_VERIFY=0``.
 vLLM versions: 0.26 (the class and the fields rewritten exist in 0.26 - 0.33).
 """
 
@@ -36,7 +37,7 @@ from gemma4_spec.compat import flat_verify_supported
 from gemma4_spec.log import get_logger
 from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries
 from gemma4_spec.patch.hooks import is_ours, ours
-from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
+from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp, experimental_v2
 
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
@@ -143,6 +144,7 @@ def _make_flat_verify(builder: Any) -> FlatVerify | None:
         or builder.device.type != "cuda"
         or spec is None
         or not drafts_with_gemma4_mtp(config)  # vLLM renames the method "mtp"
+        or experimental_v2()  # Model Runner V2 captures and replays its own way: untested
         or not flat_verify_supported()
         or config.compilation_config.cudagraph_mode.mixed_mode() == CUDAGraphMode.FULL
         or getattr(parallel, "decode_context_parallel_size", 1) > 1

@@ -7,11 +7,18 @@ gemma4_mtp (``SpeculativeConfig.use_gemma4_mtp()``) and ``VLLM_USE_V2_MODEL_RUNN
 the property answers False, and the first time it does in a process we log it. An explicit
 ``VLLM_USE_V2_MODEL_RUNNER=1`` is rejected before any engine starts (``checks.check_model_runner``).
 vLLM versions: 0.26 - 0.33 (the property reads the same environment variable in all of them).
+
+Experimental, opt-in (``GEMMA4_SPEC_EXPERIMENTAL_V2=1``): vLLM's own runner choice stands, so on
+GPU gemma4_mtp runs on Model Runner V2 with vLLM's ``Gemma4Speculator`` drafting through this
+plugin's assistant model (its ``get_top_tokens``, the centroid argmax, when the speculative
+config sets ``use_local_argmax_reduction``). Not yet run: it exists to be measured against the
+V1 path (``benchmarks/e2e_decode.py --v2-experiment``).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 from typing import Any
 
@@ -20,6 +27,7 @@ from gemma4_spec.patch.hooks import is_ours, ours
 
 CONFIG_MODULE = "vllm.config.vllm"
 GEMMA4_MTP = "gemma4_mtp"
+EXPERIMENTAL_V2_ENV = "GEMMA4_SPEC_EXPERIMENTAL_V2"
 
 logger = get_logger(__name__)
 _logged = False
@@ -41,7 +49,16 @@ def apply(config_module: ModuleType) -> None:
     def use_v2_model_runner(self: Any) -> bool:
         if not drafts_with_gemma4_mtp(self) or explicit_runner_choice() is not None:
             return decide(self)
-        _log_once()
+        if experimental_v2():
+            _log_once(
+                "gemma4_spec: experimental: vLLM picks the model runner for gemma4_mtp (Model "
+                "Runner V2 on GPU: vLLM's speculator drafts with this plugin's assistant model)."
+            )
+            return decide(self)
+        _log_once(
+            "gemma4_spec: speculative method gemma4_mtp selects vLLM's V1 model runner "
+            "(the gemma4-spec proposer runs there; Model Runner V2 would use its own)."
+        )
         return False
 
     config_cls.use_v2_model_runner = property(ours(use_v2_model_runner))
@@ -59,6 +76,11 @@ def drafts_with_gemma4_mtp(vllm_config: Any) -> bool:
     return getattr(spec, "method", None) == GEMMA4_MTP
 
 
+def experimental_v2() -> bool:
+    """Whether the experimental Model Runner V2 path is asked for (see the module docstring)."""
+    return os.environ.get(EXPERIMENTAL_V2_ENV, "0") == "1"
+
+
 def explicit_runner_choice() -> bool | None:
     """``VLLM_USE_V2_MODEL_RUNNER`` as vLLM parses it: None when unset."""
     import vllm.envs as envs
@@ -66,11 +88,8 @@ def explicit_runner_choice() -> bool | None:
     return envs.VLLM_USE_V2_MODEL_RUNNER
 
 
-def _log_once() -> None:
+def _log_once(message: str) -> None:
     global _logged
     if not _logged:
         _logged = True
-        logger.info(
-            "gemma4_spec: speculative method gemma4_mtp selects vLLM's V1 model runner "
-            "(the gemma4-spec proposer runs there; Model Runner V2 would use its own)."
-        )
+        logger.info(message)
