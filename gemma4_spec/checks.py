@@ -68,7 +68,8 @@ def _check_parallelism(spec_config: Any) -> None:
 
 
 def check_model_runner() -> None:
-    """Our proposer runs on vLLM's V1 model runner; an explicit request for V2 cannot use it."""
+    """Our proposer runs on vLLM's V1 model runner; an explicit request for V2 cannot use it
+    (unless the experimental V2 path is asked for: ``patch_vllm_config.experimental_v2``)."""
     from gemma4_spec.patch.patch_vllm_config import experimental_v2, explicit_runner_choice
 
     if explicit_runner_choice() and not experimental_v2():
