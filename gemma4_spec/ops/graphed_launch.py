@@ -21,12 +21,12 @@ captured; past that, or if a capture fails, launches run as they are.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Hashable
 
 import torch
 
 from gemma4_spec.log import get_logger
+from gemma4_spec.switches import turned_off
 
 logger = get_logger(__name__)
 GRAPHED_LAUNCHES_ENV = "GEMMA4_SPEC_GRAPHED_LAUNCHES"
@@ -39,7 +39,7 @@ class GraphedLaunches:
         self.name = name
         self.max_graphs = max_graphs
         self.replays = 0
-        off = os.environ.get(GRAPHED_LAUNCHES_ENV, "1") == "0"
+        off = turned_off(GRAPHED_LAUNCHES_ENV)
         self.disabled: str | None = f"{GRAPHED_LAUNCHES_ENV}=0" if off else None
         self._graphs: dict[Hashable, torch.cuda.CUDAGraph] = {}
 

@@ -19,13 +19,13 @@ signature and ``SamplerOutput`` are the same in all of them).
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from gemma4_spec.compat import greedy_verify_supported, logits_processor_idle
 from gemma4_spec.patch.hooks import is_ours, ours
+from gemma4_spec.switches import turned_off
 
 REJECTION_SAMPLER_MODULE = "vllm.v1.sample.rejection_sampler"
 GREEDY_VERIFY_ENV = "GEMMA4_SPEC_GREEDY_VERIFY"
@@ -40,7 +40,7 @@ class GreedyVerifyStats:
 
 
 def greedy_verify_enabled() -> bool:
-    return os.environ.get(GREEDY_VERIFY_ENV, "1") != "0" and greedy_verify_supported()
+    return not turned_off(GREEDY_VERIFY_ENV) and greedy_verify_supported()
 
 
 def greedy_verify_applies(sampler: Any, draft_probs: Any, sampling_metadata: Any) -> bool:

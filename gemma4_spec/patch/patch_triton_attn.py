@@ -38,6 +38,7 @@ from gemma4_spec.log import get_logger
 from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries
 from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp, experimental_v2
+from gemma4_spec.switches import turned_off
 
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
@@ -140,7 +141,7 @@ def _make_flat_verify(builder: Any) -> FlatVerify | None:
     spec = config.speculative_config
     parallel = config.parallel_config
     if (
-        os.environ.get(FLAT_VERIFY_ENV, "1") == "0"
+        turned_off(FLAT_VERIFY_ENV)
         or builder.device.type != "cuda"
         or spec is None
         or not drafts_with_gemma4_mtp(config)  # vLLM renames the method "mtp"

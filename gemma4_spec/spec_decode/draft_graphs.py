@@ -30,7 +30,6 @@ fails, the reason is logged and the step-by-step path is used from then on.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,6 +42,7 @@ from gemma4_spec.compat import draft_metadata_rebuild_free
 from gemma4_spec.log import get_logger
 from gemma4_spec.ops.draft_inputs import DraftStepBuffers, DraftStepSources, stage_draft_inputs
 from gemma4_spec.ops.graphed_launch import GraphedLaunches
+from gemma4_spec.switches import turned_off
 
 if TYPE_CHECKING:
     from gemma4_spec.spec_decode.proposer import Gemma4Proposer
@@ -92,7 +92,7 @@ class DraftLoopGraphs:
         p = self._p
         if p.device.type != "cuda":
             return "no CUDA"
-        if os.environ.get(FULL_DRAFT_GRAPHS_ENV, "1") == "0":
+        if turned_off(FULL_DRAFT_GRAPHS_ENV):
             return f"{FULL_DRAFT_GRAPHS_ENV}=0"
         if p.vllm_config.parallel_config.data_parallel_size > 1:
             return "data parallelism"

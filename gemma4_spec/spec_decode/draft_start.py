@@ -16,7 +16,6 @@ into the following step, while that step writes the other set.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
@@ -41,10 +40,6 @@ _KEPT_FIELDS = (
     "block_table_tensor",
     "dcp_local_seq_lens",
 )
-
-
-def draft_start_enabled() -> bool:
-    return os.environ.get(DRAFT_START_ENV, "1") != "0"
 
 
 class DraftStart:

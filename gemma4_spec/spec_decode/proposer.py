@@ -27,7 +27,6 @@ What differs from vLLM's generic draft-model flow (``SpecDecodeBaseProposer``):
 from __future__ import annotations
 
 import dataclasses
-import os
 from copy import copy
 from typing import Any
 
@@ -54,11 +53,12 @@ from gemma4_spec.patch.patch_rejection_sampler import (
 )
 from gemma4_spec.spec_decode.computed_tokens import register_runner
 from gemma4_spec.spec_decode.draft_graphs import DraftLoopGraphs, loop_graph_size
-from gemma4_spec.spec_decode.draft_start import DraftStart, draft_start_enabled
+from gemma4_spec.spec_decode.draft_start import DRAFT_START_ENV, DraftStart
 from gemma4_spec.spec_decode.kv_scales import share_kv_scales
 from gemma4_spec.spec_decode.sampler_graphs import GraphedGreedySampler
-from gemma4_spec.spec_decode.verify_input_ids import VerifyInputIds, verify_input_ids_enabled
-from gemma4_spec.spec_decode.verify_metadata import VerifyMetadataBuilder, verify_metadata_enabled
+from gemma4_spec.spec_decode.verify_input_ids import VERIFY_INPUT_IDS_ENV, VerifyInputIds
+from gemma4_spec.spec_decode.verify_metadata import VERIFY_METADATA_ENV, VerifyMetadataBuilder
+from gemma4_spec.switches import turned_off
 
 logger = get_logger(__name__)
 # Set to 0 to sample drafts eagerly (no CUDA graph of the sampling).
@@ -77,14 +77,16 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         self.loop_graphs: DraftLoopGraphs | None = None
         # The runner's verification index arrays, built in one transfer (the runner asks it
         # through patch/patch_gpu_model_runner.py; None: vLLM builds them).
-        self.verify_metadata = VerifyMetadataBuilder(device) if verify_metadata_enabled() else None
+        self.verify_metadata = (
+            None if turned_off(VERIFY_METADATA_ENV) else VerifyMetadataBuilder(device)
+        )
         # Async scheduling's carried tokens into the verification step's input ids, in one
         # transfer (asked the same way; None: vLLM writes them).
-        self.verify_input_ids = VerifyInputIds(device) if verify_input_ids_enabled() else None
+        self.verify_input_ids = None if turned_off(VERIFY_INPUT_IDS_ENV) else VerifyInputIds(device)
         # Each request's next token and first draft row after verification, from graphed
         # launches (None: the base class's methods).
         self.draft_start = (
-            DraftStart(self.max_batch_size, device) if draft_start_enabled() else None
+            None if turned_off(DRAFT_START_ENV) else DraftStart(self.max_batch_size, device)
         )
         # Batch size -> (graph mode, padded size, None), once vLLM's graph sizes are settled.
         self._padding: dict[int, tuple[CUDAGraphMode, int, None]] = {}
@@ -160,7 +162,7 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         return self.model.get_top_tokens(hidden_states)
 
     def _capture_sampler(self, num_tokens: int) -> None:
-        if self.device.type != "cuda" or os.environ.get(SAMPLER_GRAPHS_ENV, "1") == "0":
+        if self.device.type != "cuda" or turned_off(SAMPLER_GRAPHS_ENV):
             return
         if self.sampler is None:
             head = self.model.lm_head.weight

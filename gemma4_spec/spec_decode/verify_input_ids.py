@@ -27,7 +27,6 @@ step has tokens to carry; ``GEMMA4_SPEC_VERIFY_INPUT_IDS=0`` keeps vLLM's.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
 
@@ -37,10 +36,6 @@ import torch
 from gemma4_spec.spec_decode.transfer_buffer import TransferBuffer
 
 VERIFY_INPUT_IDS_ENV = "GEMMA4_SPEC_VERIFY_INPUT_IDS"
-
-
-def verify_input_ids_enabled() -> bool:
-    return os.environ.get(VERIFY_INPUT_IDS_ENV, "1") != "0"
 
 
 @dataclass

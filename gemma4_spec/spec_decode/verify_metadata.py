@@ -22,7 +22,6 @@ has the same arrays: they are still in the device buffer, and only the draft ids
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,10 +31,6 @@ from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 from gemma4_spec.spec_decode.transfer_buffer import TransferBuffer
 
 VERIFY_METADATA_ENV = "GEMMA4_SPEC_VERIFY_METADATA"
-
-
-def verify_metadata_enabled() -> bool:
-    return os.environ.get(VERIFY_METADATA_ENV, "1") != "0"
 
 
 def verify_index_arrays(
