@@ -128,17 +128,16 @@ class VerifyInputIds:
         prev_sampled: torch.Tensor,
         prev_drafts: torch.Tensor | None,
     ) -> bool:
-        """The input ids of a step ``uniform_drafts`` accepted (``d`` drafts per request), as
-        two block copies; False (nothing written) if the previous step's tensors do not have
+        """The input ids of a step ``uniform_drafts`` accepted (``d >= 1`` drafts per request),
+        as two block copies; False (nothing written) if the previous step's tensors do not have
         the rows and columns the block needs."""
-        if d > 0 and (
+        if (
             prev_drafts is None
             or prev_drafts.dim() != 2
             or prev_drafts.shape[0] < num_reqs
             or prev_drafts.shape[1] < d
+            or prev_sampled.shape[0] < num_reqs
         ):
-            return False
-        if prev_sampled.shape[0] < num_reqs:
             return False
         self.writes += 1
         self.uniform_writes += 1
@@ -149,9 +148,7 @@ class VerifyInputIds:
             block = gpu[: num_reqs * (d + 1)].view(num_reqs, d + 1)
             columns = self._columns[key] = (block[:, 0], block[:, 1:])
         columns[0].copy_(prev_sampled[:num_reqs, 0], non_blocking=True)
-        if d > 0:
-            assert prev_drafts is not None
-            columns[1].copy_(prev_drafts[:num_reqs, :d], non_blocking=True)
+        columns[1].copy_(prev_drafts[:num_reqs, :d], non_blocking=True)
         return True
 
     def _send(self, arrays: list[np.ndarray]) -> list[torch.Tensor]:
