@@ -156,23 +156,11 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     if runner is not None:
         result.proposer_class = _class_path(runner.Gemma4Proposer)
     (worker,) = llm.collective_rpc(_worker_facts)
-    result.runner_class = worker["runner_class"]
-    result.drafter_class = worker["drafter_class"]
-    result.sampler_graph_sizes = worker["sampler_graph_sizes"]
+    for name, value in worker.items():  # the facts are named as the fields they fill
+        if not hasattr(result, name):
+            raise AttributeError(f"worker fact {name!r} is no field of {type(result).__name__}")
+        setattr(result, name, value)
     result.draft_loop_graphs = [tuple(x) for x in worker["draft_loop_graphs"]]
-    result.draft_loop_graphs_off = worker["draft_loop_graphs_off"]
-    result.draft_loop_replays = worker["draft_loop_replays"]
-    result.draft_loop_rebuild_free = worker["draft_loop_rebuild_free"]
-    result.flat_verify_rewrites = worker["flat_verify_rewrites"]
-    result.flat_verify_graph_replays = worker["flat_verify_graph_replays"]
-    result.verify_metadata_builds = worker["verify_metadata_builds"]
-    result.greedy_verify_batches = worker["greedy_verify_batches"]
-    result.verify_input_ids_writes = worker["verify_input_ids_writes"]
-    result.verify_input_ids_uniform = worker["verify_input_ids_uniform"]
-    result.verify_metadata_reuses = worker["verify_metadata_reuses"]
-    result.draft_start_calls = worker["draft_start_calls"]
-    result.draft_start_graph_replays = worker["draft_start_graph_replays"]
-    result.correction_graph_replays = worker["correction_graph_replays"]
     del llm
     return result
 
