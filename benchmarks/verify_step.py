@@ -39,6 +39,7 @@ from gemma4_spec.ops.verify_outcome import (  # noqa: E402
 from gemma4_spec.spec_decode.draft_start import DraftStart  # noqa: E402
 from gemma4_spec.spec_decode.verify_metadata import VerifyMetadataBuilder  # noqa: E402
 from gemma4_spec.testing.verify_step import (  # noqa: E402
+    draft_start_state,
     greedy_sampling_metadata,
     rejection_samplers,
     spec_decode_metadata,
@@ -135,29 +136,14 @@ def _draft_starts(
     with ``k`` drafts each, none discarded."""
     from types import SimpleNamespace
 
-    from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.utils import CpuGpuBuffer
 
-    ids = [f"r{i}" for i in range(batch)]
-    requests = {r: SimpleNamespace(get_token_id=lambda i: 7) for r in ids}
-    state = SimpleNamespace(
-        num_reqs=batch, req_ids=ids, num_tokens_no_spec=np.full(64, 100), vocab_size=VOCAB
-    )
+    qsl = torch.arange(0, batch * (k + 1) + 1, k + 1, dtype=torch.int32, device=dev)
+    seq_lens = torch.full((batch,), 300, dtype=torch.int32, device=dev)
+    tokens = {f"r{i}": [7] * 100 for i in range(batch)}
+    requests, state, common = draft_start_state(qsl, seq_lens, tokens, np.full(64, 100), VOCAB)
     discard = torch.zeros(64, dtype=torch.bool, device=dev)
-    total = batch * (k + 1)
-    qsl_cpu = torch.arange(0, total + 1, k + 1, dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl_cpu.to(dev),
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=torch.full((batch,), 300, dtype=torch.int32, device=dev),
-        num_reqs=batch,
-        num_actual_tokens=total,
-        max_query_len=k + 1,
-        max_seq_len=300,
-        block_table_tensor=torch.zeros(batch, 32, dtype=torch.int32, device=dev),
-        slot_mapping=torch.arange(total, device=dev),
-    )
 
     def backup() -> CpuGpuBuffer:
         return CpuGpuBuffer(64, dtype=torch.int32, device=dev, pin_memory=torch.cuda.is_available())

