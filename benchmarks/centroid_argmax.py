@@ -15,14 +15,13 @@ the variant does not run it, 0 where the persistent path falls back to the centr
 
 Minimal bytes: persistent = centroid weights + T x (top_k x V/C lm_head rows + their int32
 ids); centroid (the centroid-major path) = centroid weights + the rows (and int32 ids) of the
-union of all tokens' picked centroids; dense = the whole lm_head (and its int32 ids) once per
-block of DENSE_BLOCK_T tokens + the centroid weights; full-vocab = the whole lm_head + centroid
-weights; in-tree and torch-sparse = their floor, the same as persistent (they also write and
-re-read the gathered rows, which the model does not count); ours-scores and ours-select = the
-centroid weights.
+union of all tokens' picked centroids; full-vocab = the whole lm_head + centroid weights;
+in-tree and torch-sparse = their floor, the same as persistent (they also write and re-read the
+gathered rows, which the model does not count); ours-scores and ours-select = the centroid
+weights.
 
-Variants: ours-auto (the dispatcher), ours-persistent, ours-centroid, ours-dense (each path
-forced; persistent runs the centroid path where not even PERSISTENT_MIN_PROGRAMS programs per
+Variants: ours-auto (the dispatcher), ours-persistent, ours-centroid (each path forced;
+persistent runs the centroid path where not even PERSISTENT_MIN_PROGRAMS programs per
 token fit the GPU at once); to see where their time goes:
 ours-3launch (the persistent kernel as three launches, one per phase, no grid barriers),
 ours-scores (the centroid path's first kernel alone), ours-select (its first two: scores and
@@ -44,7 +43,6 @@ import torch
 from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax
 from gemma4_spec.ops.centroid_argmax_triton import (
     CENTROID_MIN_TOKENS,
-    DENSE_BLOCK_T,
     _state_for,
     centroid_argmax_fp32_reference,
     centroid_argmax_fused,
@@ -159,12 +157,6 @@ def main() -> None:
         union = int(picks.unique().numel())
         return centroids * d * es + union * tpc * (d * es + 4) + h.numel() * es
 
-    def dense_bytes(t: int) -> int:
-        """The whole lm_head and its int32 ids once per block of DENSE_BLOCK_T tokens, the
-        centroid weights and the hidden states."""
-        blocks = -(-t // DENSE_BLOCK_T)
-        return blocks * vocab * (d * es + 4) + centroids * d * es + t * d * es
-
     print(
         f"device={device} dtype={args.dtype} V={vocab} C={centroids} top_k={top_k} d={d} "
         f"reps={reps} centroid_min_tokens={CENTROID_MIN_TOKENS}"
@@ -195,11 +187,6 @@ def main() -> None:
                 "ours-centroid",
                 lambda h=hidden: centroid_argmax_fused(mask, h, lm_head, path="centroid"),
                 centroid_bytes(hidden),
-            ),
-            (
-                "ours-dense",
-                lambda h=hidden: centroid_argmax_fused(mask, h, lm_head, path="dense"),
-                dense_bytes(t),
             ),
             (
                 "torch-sparse",

@@ -25,8 +25,7 @@ POINTERS = {
     "sup_ptr": "*i8", "scores_ptr": "*fp32", "sel_ptr": "*i32", "part_val_ptr": "*fp32",
     "part_idx_ptr": "*i32", "bar1_ptr": "*i32", "bar2_ptr": "*i32", "done_ptr": "*i32",
     "out_ptr": "*i64", "count_ptr": "*i32", "pick_ptr": "*i32", "cand_idx_ptr": "*i32",
-    "cand_key_ptr": "*i32", "counter_ptr": "*i32", "best_val_ptr": "*fp32",
-    "best_idx_ptr": "*i32",
+    "cand_key_ptr": "*i32", "counter_ptr": "*i32",
 }  # fmt: skip
 
 
@@ -76,17 +75,3 @@ def test_centroid_path_kernels_compile() -> None:
              BLOCK_D=m.CENTROID_BLOCK_D, BLOCK_P=triton.next_power_of_2(32 * m.CENTROID_SPLIT),
              V=REAL_V, PRECISION="tf32", UPCAST=False),
     )  # fmt: skip
-
-
-def test_dense_path_kernels_compile() -> None:
-    _compile(
-        m._centroid_best_kernel,
-        dict(BLOCK_T=m.DENSE_BLOCK_T, BLOCK_R=m.DENSE_BLOCK_R, BLOCK_D=m.DENSE_BLOCK_D,
-             V=REAL_V, PRECISION="tf32", UPCAST=False),
-        m.DENSE_WARPS,
-    )  # fmt: skip
-    _compile(
-        m._select_best_kernel,
-        dict(BLOCK_ALL_C=2048, GROUPS=32, BLOCK_I=m.SELECT_BLOCK_I, V=REAL_V),
-        8,
-    )

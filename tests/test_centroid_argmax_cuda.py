@@ -1,6 +1,6 @@
 """The fused Triton centroid argmax against its float32 torch reference.
 
-On CUDA: each path forced and the dispatcher, float32 and bfloat16, T from 1 to 256, exact
+On CUDA: both paths forced and the dispatcher, float32 and bfloat16, T from 1 to 256, exact
 ties, suppressed tokens, CUDA-graph capture, a small and the real E2B/E4B configuration.
 On CPU: the same kernel logic at small sizes through Triton's interpreter, in a subprocess
 (``TRITON_INTERPRET=1`` must be set before triton is imported), plus the non-CUDA fallback.
@@ -38,7 +38,7 @@ from gemma4_spec.ops.centroid_argmax_triton import (
     select_centroids_reference,
 )
 
-PATHS = ("persistent", "centroid", "dense", "auto")
+PATHS = ("persistent", "centroid", "auto")
 FORCED = PATHS[:-1]
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_TRITON),

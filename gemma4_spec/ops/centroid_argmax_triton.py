@@ -531,22 +531,6 @@ if HAS_TRITON:
         tl.store(pick_ptr + idx * T + at, t * K + rank, mask=chosen)
 
     @triton.jit
-    def _compact_candidates(
-        row_ptr, C, cand_idx_ptr, cand_key_ptr, BLOCK_ALL_C: tl.constexpr, GROUPS: tl.constexpr
-    ):
-        """Writes the index and key of every one of a token's ``C`` scores (at ``row_ptr``)
-        that reaches the group-maxima bound, packed from ``cand_*_ptr``; returns how many."""
-        offs = tl.arange(0, BLOCK_ALL_C)
-        ok = offs < C
-        key = _score_keys(row_ptr, offs, ok, "")
-        cand = ok & (key >= _pick_bound(key, BLOCK_ALL_C, GROUPS))
-        pos = tl.cumsum(cand.to(tl.int32), axis=0) - 1
-        tl.store(cand_idx_ptr + pos, offs, mask=cand)
-        tl.store(cand_key_ptr + pos, key, mask=cand)
-        tl.debug_barrier()
-        return tl.sum(cand.to(tl.int32), axis=0)
-
-    @triton.jit
     def _select_rank_kernel(
         scores_ptr,  # [T, C] fp32
         cand_idx_ptr,  # [T, BLOCK_ALL_C] int32 scratch
@@ -566,9 +550,16 @@ if HAS_TRITON:
         picked; they are compacted and ranked among themselves (a smaller one cannot be
         ahead of them)."""
         t = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_ALL_C)
+        ok = offs < C
+        key = _score_keys(scores_ptr + t * C, offs, ok, "")
+        cand = ok & (key >= _pick_bound(key, BLOCK_ALL_C, GROUPS))
+        pos = tl.cumsum(cand.to(tl.int32), axis=0) - 1
+        n = tl.sum(cand.to(tl.int32), axis=0)
         base = t * BLOCK_ALL_C
-        n = _compact_candidates(scores_ptr + t * C, C, cand_idx_ptr + base, cand_key_ptr + base,
-                                BLOCK_ALL_C, GROUPS)  # fmt: skip
+        tl.store(cand_idx_ptr + base + pos, offs, mask=cand)
+        tl.store(cand_key_ptr + base + pos, key, mask=cand)
+        tl.debug_barrier()
         for i0 in range(0, n, BLOCK_I):
             offs_i = i0 + tl.arange(0, BLOCK_I)
             i_ok = offs_i < n
@@ -667,111 +658,6 @@ if HAS_TRITON:
                 tl.store(out_ptr + tok, best.to(tl.int64), mask=fin)
                 tl.store(counter_ptr + tok, tl.zeros([BLOCK_T], tl.int32), mask=fin)
 
-    # ------------------------------------------------------ large T: every centroid's best
-
-    @triton.jit
-    def _centroid_best_kernel(
-        h_ptr,  # [T, D]
-        cw_ptr,  # [C, D]
-        w_ptr,  # [V, D]
-        ordering_ptr,  # [V] int32
-        sup_ptr,  # [V] int8
-        scores_ptr,  # [T, C] fp32 out
-        best_val_ptr,  # [T, C] fp32 out
-        best_idx_ptr,  # [T, C] int32 out (V: every row of the centroid suppressed)
-        T,
-        C,
-        D,
-        TPC,
-        stride_h,
-        stride_cw,
-        stride_w,
-        BLOCK_T: tl.constexpr,
-        BLOCK_R: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        V: tl.constexpr,
-        PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr,
-    ):
-        """Program (c, tb): for each token of block tb, its fp32 score for centroid c and the
-        best (largest logit, then smallest id) unsuppressed token among c's rows; reads the
-        centroid's rows once per token block, whether or not any token will pick c."""
-        c = tl.program_id(0)
-        offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = offs_t < T
-        score = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = offs_d < D
-            hv = tl.load(
-                h_ptr + offs_t[:, None] * stride_h + offs_d[None, :],
-                mask=t_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            cv = tl.load(cw_ptr + c * stride_cw + offs_d, mask=d_ok, other=0.0).to(tl.float32)
-            score += tl.sum(hv * cv[None, :], axis=1)
-        best_v = tl.full([BLOCK_T], float("-inf"), tl.float32)
-        best_i = tl.full([BLOCK_T], V, tl.int32)
-        for r0 in range(0, TPC, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = offs_r < TPC
-            ids = tl.load(ordering_ptr + c * TPC + offs_r, mask=r_ok, other=0)
-            acc = _rows_dot(
-                tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32),
-                h_ptr + offs_t * stride_h, t_ok, w_ptr + ids.to(tl.int64) * stride_w, r_ok,
-                D, BLOCK_D, PRECISION, UPCAST,
-            )  # fmt: skip
-            sup = tl.load(sup_ptr + ids, mask=r_ok, other=1)
-            ok = t_ok[:, None] & (r_ok & (sup == 0))[None, :]
-            m, i = _best_of(tl.where(ok, acc, float("-inf")), tl.where(ok, ids[None, :], V), 1, V)
-            take = (i < V) & ((m > best_v) | ((m == best_v) & (i < best_i)))
-            best_v = tl.where(take, m, best_v)
-            best_i = tl.where(take, i, best_i)
-        tl.store(scores_ptr + offs_t * C + c, score, mask=t_ok)
-        tl.store(best_val_ptr + offs_t * C + c, best_v, mask=t_ok)
-        tl.store(best_idx_ptr + offs_t * C + c, best_i, mask=t_ok)
-
-    @triton.jit
-    def _select_best_kernel(
-        scores_ptr,  # [T, C] fp32
-        best_val_ptr,  # [T, C] fp32: each centroid's best logit
-        best_idx_ptr,  # [T, C] int32: and its token (V if none)
-        cand_idx_ptr,  # [T, BLOCK_ALL_C] int32 scratch
-        cand_key_ptr,  # [T, BLOCK_ALL_C] int32 scratch
-        out_ptr,  # [T] int64
-        C,
-        K,
-        BLOCK_ALL_C: tl.constexpr,
-        GROUPS: tl.constexpr,  # a power of two >= K
-        BLOCK_I: tl.constexpr,
-        V: tl.constexpr,
-    ):
-        """One program per token: its top-k centroids by rank (as ``_select_rank_kernel``),
-        then the best of their bests (largest logit, then smallest id; 0 if none)."""
-        t = tl.program_id(0)
-        base = t * BLOCK_ALL_C
-        n = _compact_candidates(scores_ptr + t * C, C, cand_idx_ptr + base, cand_key_ptr + base,
-                                BLOCK_ALL_C, GROUPS)  # fmt: skip
-        top_v = tl.full([], float("-inf"), tl.float32)
-        top_i = tl.full([], V, tl.int32)
-        for i0 in range(0, n, BLOCK_I):
-            offs_i = i0 + tl.arange(0, BLOCK_I)
-            i_ok = offs_i < n
-            idx_i = tl.load(cand_idx_ptr + base + offs_i, mask=i_ok, other=0)
-            key_i = tl.load(cand_key_ptr + base + offs_i, mask=i_ok, other=0)
-            rank = _rank_block(
-                key_i, idx_i, cand_key_ptr + base, cand_idx_ptr + base, n,
-                BLOCK_I, BLOCK_I, False, False,
-            )  # fmt: skip
-            chosen = i_ok & (rank < K)
-            bv = tl.load(best_val_ptr + t * C + idx_i, mask=chosen, other=float("-inf"))
-            bi = tl.load(best_idx_ptr + t * C + idx_i, mask=chosen, other=V)
-            m, i = _best_of(bv, tl.where(chosen, bi, V), 0, V)
-            take = (i < V) & ((m > top_v) | ((m == top_v) & (i < top_i)))
-            top_v = tl.where(take, m, top_v)
-            top_i = tl.where(take, i, top_i)
-        tl.store(out_ptr + t, tl.where(top_i == V, 0, top_i).to(tl.int64))
-
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
@@ -791,10 +677,6 @@ CENTROID_SPLIT = 2
 CENTROID_BLOCK_T = 16
 CENTROID_BLOCK_R = 64
 CENTROID_BLOCK_D = 64
-DENSE_BLOCK_T = 64
-DENSE_BLOCK_R = 128
-DENSE_BLOCK_D = 64
-DENSE_WARPS = 4
 
 
 def _check(mask: CentroidMask, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
@@ -1161,53 +1043,7 @@ def centroid_argmax_centroid_major(
     return out
 
 
-def centroid_argmax_dense(
-    mask: CentroidMask,
-    hidden: torch.Tensor,
-    lm_head_weight: torch.Tensor,
-    state: FusedCentroidState | None = None,
-) -> torch.Tensor:
-    """Large-T path, two launches: ``_centroid_best_kernel`` reads the whole lm_head once per
-    block of up to DENSE_BLOCK_T tokens and keeps, per (token, centroid), the centroid score
-    and the best token among the centroid's rows (a ``[T, C]`` table, no ``[T, V]`` logits);
-    then ``_select_best_kernel`` ranks each token's top-k centroids and takes the best of
-    their bests."""
-    _check(mask, hidden, lm_head_weight)
-    vocab = lm_head_weight.shape[0]
-    state = state or _state_for(mask, vocab)
-    num_tokens, d = hidden.shape
-    dev = hidden.device
-    out = torch.empty(num_tokens, dtype=torch.int64, device=dev)
-    if num_tokens == 0:
-        return out
-    c, k = state.num_centroids, state.top_k
-    tpc = vocab // c
-    scores = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
-    best_val = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
-    best_idx = torch.empty(num_tokens, c, dtype=torch.int32, device=dev)
-    precision, upcast = _dot_precision(hidden)
-    block_t = min(DENSE_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))
-    _centroid_best_kernel[(c, triton.cdiv(num_tokens, block_t))](
-        hidden, mask.centroids_weight, lm_head_weight, state.ordering, state.suppressed,
-        scores, best_val, best_idx, num_tokens, c, d, tpc,
-        hidden.stride(0), mask.centroids_weight.stride(0), lm_head_weight.stride(0),
-        BLOCK_T=block_t,
-        BLOCK_R=min(DENSE_BLOCK_R, max(16, triton.next_power_of_2(tpc))),
-        BLOCK_D=min(DENSE_BLOCK_D, max(16, triton.next_power_of_2(d))),
-        V=vocab, PRECISION=precision, UPCAST=upcast, num_warps=DENSE_WARPS,
-    )  # fmt: skip
-    all_c = triton.next_power_of_2(c)
-    cand_idx = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
-    cand_key = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
-    _select_best_kernel[(num_tokens,)](
-        scores, best_val, best_idx, cand_idx, cand_key, out, c, k,
-        BLOCK_ALL_C=all_c, GROUPS=triton.next_power_of_2(k),
-        BLOCK_I=min(SELECT_BLOCK_I, all_c), V=vocab, num_warps=8 if all_c >= 2048 else 4,
-    )  # fmt: skip
-    return out
-
-
-PATHS = ("auto", "persistent", "centroid", "dense")
+PATHS = ("auto", "persistent", "centroid")
 
 
 def centroid_argmax_fused(
@@ -1235,6 +1071,4 @@ def centroid_argmax_fused(
         path = "persistent" if hidden.shape[0] < threshold else "centroid"
     if path == "persistent":
         return centroid_argmax_persistent(mask, hidden, lm_head_weight)
-    if path == "dense":
-        return centroid_argmax_dense(mask, hidden, lm_head_weight)
     return centroid_argmax_centroid_major(mask, hidden, lm_head_weight)
