@@ -672,11 +672,14 @@ PERSISTENT_MIN_PROGRAMS = 8
 PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T grows)
 SCORES_MAX_BLOCK_T = 64
 SCORES_DOT_BLOCK_C = 64
+SCORES_WARPS = 4
 SELECT_BLOCK_I = 128
+SELECT_WARPS = 8  # with C >= 2048 (4 below)
 CENTROID_SPLIT = 2
 CENTROID_BLOCK_T = 16
 CENTROID_BLOCK_R = 64
 CENTROID_BLOCK_D = 64
+CENTROID_WARPS = 4
 
 
 def _check(mask: CentroidMask, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
@@ -965,7 +968,7 @@ def centroid_scores(
         hidden, centroids_weight, scores, count, num_tokens, c, d,
         hidden.stride(0), centroids_weight.stride(0),
         BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_D=min(64, max(16, triton.next_power_of_2(d))),
-        PRECISION=precision, UPCAST=upcast, num_warps=4,
+        PRECISION=precision, UPCAST=upcast, num_warps=SCORES_WARPS,
     )  # fmt: skip
     return scores, count
 
@@ -993,7 +996,7 @@ def select_centroids_ranked(
     _select_rank_kernel[(num_tokens,)](
         scores, cand_idx, cand_key, sel, count, picks, num_tokens, c, k,
         BLOCK_ALL_C=all_c, GROUPS=groups,
-        BLOCK_I=min(SELECT_BLOCK_I, all_c), num_warps=8 if all_c >= 2048 else 4,
+        BLOCK_I=min(SELECT_BLOCK_I, all_c), num_warps=SELECT_WARPS if all_c >= 2048 else 4,
     )  # fmt: skip
     return sel, count, picks
 
@@ -1038,7 +1041,7 @@ def centroid_argmax_centroid_major(
         V=vocab,
         PRECISION=precision,
         UPCAST=upcast,
-        num_warps=4,
+        num_warps=CENTROID_WARPS,
     )  # fmt: skip
     return out
 
