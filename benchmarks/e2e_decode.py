@@ -13,6 +13,7 @@ the host's scopes of a step (``host_scopes.py``: engine, scheduler, runner, prop
     python benchmarks/e2e_decode.py --workdir /tmp/e2b --batch 1,8,32 --k 2,4 --json e2e.json
     python benchmarks/e2e_decode.py --workdir /tmp/e2b --batch 1,8 --k 2 --scopes \
         --only "plain (V1),ours k=2 (V1)"
+    python benchmarks/e2e_decode.py --table e2e.json   # the tables of a saved run, again
 """
 
 from __future__ import annotations
@@ -211,6 +212,7 @@ def main() -> int:
     parser.add_argument("--start-timeout", type=float, default=420)
     parser.add_argument("--scopes", action="store_true", help="time the host's scopes too")
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="timed rounds per engine")
+    parser.add_argument("--table", default=None, help="print the tables of a saved --json, only")
     # internal: worker mode
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
@@ -222,9 +224,12 @@ def main() -> int:
     parser.add_argument(
         "--v2-experiment",
         action="store_true",
-        help="also run ours on Model Runner V2 (GEMMA4_SPEC_EXPERIMENTAL_V2; not run yet)",
+        help="also run ours on Model Runner V2 (GEMMA4_SPEC_EXPERIMENTAL_V2; experimental)",
     )
     args, _ = parser.parse_known_args()
+    if args.table:
+        _print_table(json.loads(Path(args.table).read_text())["results"])
+        return 0
     if args.build:
         _build(args.workdir)
         return 0
@@ -320,7 +325,10 @@ def _print_table(results: dict[str, Any]) -> None:
                 + (f" a={acc:.2f}" if acc is not None else "")
             )
         print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
-    # Round-to-round spread: ours has varied far more than plain or in-tree between rounds.
+    # Round-to-round spread. The host's speed drifts between rounds (at d947542 every host
+    # scope of a slow round grew, plain V1's too), so a ratio of medians taken over different
+    # rounds mixes that drift in; the paired table divides each round by the plain run's
+    # round just before or after it (the engines take turns within a round).
     print("\nper round, ms: fastest - slowest (fastest x same-runner plain's fastest)")
     print(f"{'configuration':26}" + "".join(f"{'B=' + b:>26}" for b in batches))
     for name, per_batch in results.items():
@@ -330,6 +338,18 @@ def _print_table(results: dict[str, Any]) -> None:
             rounds = per_batch[b]["step_ms_all"]
             best = min(rounds) / min(results[same][b]["step_ms_all"])
             cells.append(f"{min(rounds):6.3f} - {max(rounds):6.3f} ({best:4.2f}x)")
+        print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
+    print("\nper round, x same-runner plain in the same round: median (lowest - highest)")
+    print(f"{'configuration':26}" + "".join(f"{'B=' + b:>26}" for b in batches))
+    for name, per_batch in results.items():
+        same = plain["V1" if "(V1" in name else "V2"] or default
+        cells = []
+        for b in batches:
+            pairs = zip(per_batch[b]["step_ms_all"], results[same][b]["step_ms_all"], strict=True)
+            ratios = [ms / base for ms, base in pairs]
+            cells.append(
+                f"{statistics.median(ratios):4.2f}x ({min(ratios):4.2f} - {max(ratios):4.2f})"
+            )
         print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
     if all("cpu_ms_all" in results[n][b] for n in results for b in batches):
         print("\nper step, ms, median of the rounds: process CPU time / garbage-collection pauses")
