@@ -47,23 +47,28 @@ so the work spreads over many programs, and a picked centroid writes itself to `
 environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``centroid_min_tokens``
 argument) when its grid fits the GPU, and the centroid-major path otherwise.
 
-H200 (``benchmarks/results/h200/centroid_argmax-bbd1708.json``), bf16, real E2B dims (V 262144,
+H200 (``benchmarks/results/h200/centroid_argmax-23a8190.json``), bf16, real E2B dims (V 262144,
 C 2048, top-k 32, d 256), CUDA graphs, cold L2, median us, persistent with its P / centroid
-path: T=1 18.3 (128) / 30.4, T=2 20.4 (128) / 31.5, T=3 23.1 (128) / 25.2, T=4 25.3 (128) /
-32.6, T=8 57.6 (16) / 35.8, T=16 78.1 (8) / 42.0; from T=32 P would be below
-``PERSISTENT_MIN_PROGRAMS`` and the centroid path runs (T=32 64.0, T=64 67.2, T=256 100.0).
-vLLM's in-tree formula takes 50.6 to 998.0 over T=1..256, a full-vocab argmax 55.0 to 165.3.
-Hence the switch at 5 (that run's dispatcher still switched at 3). The persistent kernel as
-three launches without barriers (``phased``) took 18.7 at T=1 vs 18.3 in one launch: the grid
-barriers cost little, the time is in the phases themselves. On the centroid path the scores
-kernel alone takes 6.8 (a graph of one trivial kernel: ~4.9), scores + rank top-k 20.6 (T=1).
-The CUDA tests pass on the H200 with the occupancy sizing (244 passed,
-``test_kernels_cuda-bbd1708.log``). Two older paths (a radix top-k followed by a per-token
-gather-argmax or a per-token-block dense argmax) never beat these two and were removed, as was
-a top-k with ``C / 32`` programs per token (never faster than one program per token, from T=1
-to 256, e.g. 20.9 vs 20.6 at T=1 and 50.9 vs 20.9 at T=16). Block sizes, programs per token
-and row splits are the module constants ``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and
-``CENTROID_*``.
+path: T=1 18.6 (128) / 25.6, T=2 20.6 (128) / 26.1, T=3 23.4 (128) / 23.5, T=4 25.6 (128) /
+27.1, T=5 27.4 (128) / 27.6, T=8 57.8 (16) / 29.0, T=16 78.2 (8) / 40.2; from T=32 P would be
+below ``PERSISTENT_MIN_PROGRAMS`` and the centroid path runs (T=32 54.1, T=64 62.0, T=256
+85.8). vLLM's in-tree formula takes 51.6 to 998.6 over T=1..256, a full-vocab argmax 54.9 to
+165.8. Hence the switch at 5. The centroid path's block sizes and warps come from an H200 sweep
+(``benchmarks/centroid_argmax_sweep.py``, ``centroid_sweep-f7fcc2d.log``): one program per
+picked centroid (no row split) and ranking in blocks of 64 candidates made it 10-17% faster
+than two row splits and blocks of 128 (T=8 35.5 -> 28.9, T=64 67.6 -> 61.3, T=256 99.2 ->
+82.0); more warps, wider hidden blocks or smaller rank blocks were slower. The persistent
+kernel as three launches without barriers (``phased``) took 18.7 at T=1 vs 18.3 in one launch
+(bbd1708): the grid barriers cost little, the time is in the phases themselves. On the
+centroid path the scores kernel alone takes ~6.7 (a graph of one trivial kernel: ~5.1),
+scores + rank top-k 16.5 (T=1) to 30 (T=256). The CUDA tests pass on the H200 (234 passed,
+``test_centroid_argmax_cuda-23a8190.log``). Paths that never beat these two were removed: a
+radix top-k followed by a per-token gather-argmax or a per-token-block dense argmax; a top-k
+with ``C / 32`` programs per token (20.9 vs 20.6 at T=1, 50.9 vs 20.9 at T=16); and a sweep of
+the whole lm_head per 64-token block keeping every centroid's best (86c995a: 71.8 at T=1, 99.3
+at T=64, 252.2 at T=256; a whole-lm_head read through the ordering alone costs more than the
+centroid path). Block sizes, programs per token and row splits are the module constants
+``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and ``CENTROID_*``.
 
 Caveats: the persistent kernel's barriers assume all its programs are resident together; a
 kernel running concurrently on another stream that holds SMs until this one finishes could
@@ -107,8 +112,8 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 # At or above this many tokens "auto" uses the centroid-major path, below it the persistent
 # kernel: that one reads top_k * V / C rows (2 MiB in bf16 at E2B dims) per token in one launch,
 # the centroid-major one each picked centroid's rows once for all tokens (the union of the
-# picks, at most the whole lm_head) in three. 5 from the H200 timings of bbd1708 (T = 3 / 4:
-# persistent 23.1 / 25.3 us with P = 128, centroid path 25.2 / 32.6).
+# picks, at most the whole lm_head) in three. 5 from the H200 timings of 23a8190 (T = 3 / 4 / 5:
+# persistent 23.4 / 25.6 / 27.4 us with P = 128, centroid path 23.5 / 27.1 / 27.6).
 # Tunable with GEMMA4_SPEC_DENSE_MIN_TOKENS (its name from when the larger-T path was "dense").
 CENTROID_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "5"))
 

@@ -1,0 +1,90 @@
+"""Block sizes and warps of the centroid-major path's kernels, swept on a GPU (real E2B / E4B
+dims, bf16, CUDA graphs, cold L2, the harness of ``centroid_argmax.py``).
+
+Each row sets the module constants it names (the rest at their defaults) and times, per T: the
+whole centroid path ("path"; "!" marks a T whose tokens differ from the fp32 reference), or its
+first two kernels ("select": scores and rank top-k), or its first ("scores"). The H200 runs that
+chose the defaults: ``benchmarks/results/h200/centroid_sweep-f7fcc2d.log``.
+
+    python benchmarks/centroid_argmax_sweep.py [--tokens 5,8,16,32,64,128,256] [--reps 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from centroid_argmax import REAL, _time_cuda  # noqa: E402
+
+from gemma4_spec.ops import centroid_argmax_triton as m  # noqa: E402
+from gemma4_spec.ops.centroid_argmax import CentroidMask  # noqa: E402
+
+# (kind, constants): kind is what is timed.
+ROWS: list[tuple[str, dict[str, int]]] = [
+    *[
+        ("path", dict(CENTROID_SPLIT=s, CENTROID_BLOCK_R=r, CENTROID_BLOCK_D=d,
+                      CENTROID_WARPS=w, SELECT_BLOCK_I=b))
+        for s, r, d, w, b in [
+            (2, 64, 64, 4, 128), (1, 128, 64, 4, 128), (1, 128, 64, 4, 64), (1, 128, 128, 4, 64),
+            (2, 64, 128, 4, 64), (4, 32, 64, 4, 64), (1, 128, 32, 4, 64), (1, 128, 64, 8, 64),
+            (1, 128, 64, 2, 64), (2, 64, 256, 4, 64),
+        ]
+    ],
+    *[
+        ("select", dict(SELECT_BLOCK_I=b, SELECT_WARPS=w))
+        for b, w in [(128, 8), (64, 8), (32, 8), (64, 4), (64, 16), (256, 8)]
+    ],
+    *[
+        ("scores", dict(SCORES_DOT_BLOCK_C=c, SCORES_WARPS=w))
+        for c, w in [(64, 4), (32, 4), (128, 4), (64, 8)]
+    ],
+]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", default="5,8,16,32,64,128,256")
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    vocab, centroids, top_k, d = REAL
+    gen = torch.Generator().manual_seed(0)
+    lm_head = torch.randn(vocab, d, generator=gen).cuda().bfloat16()
+    cw = torch.randn(centroids, d, generator=gen).cuda().bfloat16()
+    mask = CentroidMask(cw, torch.randperm(vocab, generator=gen).cuda(), top_k)
+    state = m._state_for(mask, vocab)
+    flush = torch.zeros(64 * 2**20, device="cuda")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    hidden = {t: torch.randn(t, d, generator=gen).cuda().bfloat16() for t in tokens}
+    want = {t: m.centroid_argmax_fp32_reference(hidden[t], lm_head, mask) for t in tokens}
+    defaults = {name: getattr(m, name) for _, row in ROWS for name in row}
+    print(f"us per call at T = {tokens}; defaults {defaults}")
+    for kind, row in ROWS:
+        for name, value in dict(defaults, **row).items():
+            setattr(m, name, value)
+        cells = []
+        for t in tokens:
+            h = hidden[t]
+            fn: Callable[[], torch.Tensor]
+            if kind == "path":
+                fn = lambda h=h: m.centroid_argmax_centroid_major(mask, h, lm_head, state)  # noqa: E731
+            elif kind == "select":
+                fn = lambda h=h: m.select_centroids_ranked(state, h, cw)[0]  # noqa: E731
+            else:
+                fn = lambda h=h: m.centroid_scores(state, h, cw)[0]  # noqa: E731
+            us = _time_cuda(fn, args.reps, flush)
+            wrong = kind == "path" and not bool((fn() == want[t]).all())
+            cells.append(f"{us:6.1f}{'!' if wrong else ' '}")
+        print(f"{kind:6} {row} | " + " ".join(cells), flush=True)
+    for name, value in defaults.items():
+        setattr(m, name, value)
+
+
+if __name__ == "__main__":
+    main()
