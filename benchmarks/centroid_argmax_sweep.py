@@ -36,8 +36,11 @@ ROWS: list[tuple[str, dict[str, int]]] = [
         ]
     ],
     *[
-        ("select", dict(SELECT_BLOCK_I=b, SELECT_WARPS=w))
-        for b, w in [(128, 8), (64, 8), (32, 8), (64, 4), (64, 16), (256, 8)]
+        ("select", dict(SELECT_BLOCK_I=b, SELECT_WARPS=w, SELECT_GROUPS_PER_K=g))
+        for b, w, g in [
+            (128, 8, 1), (64, 8, 1), (64, 8, 2), (64, 8, 4), (64, 8, 8), (32, 8, 4), (32, 8, 8),
+            (64, 4, 4), (32, 4, 8), (128, 8, 4),
+        ]
     ],
     *[
         ("scores", dict(SCORES_DOT_BLOCK_C=c, SCORES_WARPS=w))
