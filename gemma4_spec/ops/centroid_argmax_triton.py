@@ -44,31 +44,34 @@ so the work spreads over many programs, and a picked centroid writes itself to `
      whatever T). Per (token, rank, split) partial maxima; the program bringing a token's
      last partial reduces them.
 
-``path="auto"`` takes the persistent kernel below ``CENTROID_MIN_TOKENS`` tokens (default 5,
+``path="auto"`` takes the persistent kernel below ``CENTROID_MIN_TOKENS`` tokens (default 3,
 environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``centroid_min_tokens``
 argument) when its grid fits the GPU, and the centroid-major path otherwise.
 
-H200 (``benchmarks/results/h200/centroid_argmax-23a8190.json``), bf16, real E2B dims (V 262144,
+H200 (``benchmarks/results/h200/centroid_argmax-0e5153e.json``), bf16, real E2B dims (V 262144,
 C 2048, top-k 32, d 256), CUDA graphs, cold L2, median us, persistent with its P / centroid
-path: T=1 18.6 (128) / 25.6, T=2 20.6 (128) / 26.1, T=3 23.4 (128) / 23.5, T=4 25.6 (128) /
-27.1, T=5 27.4 (128) / 27.6, T=8 57.8 (16) / 29.0, T=16 78.2 (8) / 40.2; from T=32 P would be
-below ``PERSISTENT_MIN_PROGRAMS`` and the centroid path runs (T=32 54.1, T=64 62.0, T=256
-85.8). vLLM's in-tree formula takes 51.6 to 998.6 over T=1..256, a full-vocab argmax 54.9 to
-165.8. Hence the switch at 5. The centroid path's block sizes and warps come from an H200 sweep
-(``benchmarks/centroid_argmax_sweep.py``, ``centroid_sweep-f7fcc2d.log``): one program per
-picked centroid (no row split) and ranking in blocks of 64 candidates made it 10-17% faster
-than two row splits and blocks of 128 (T=8 35.5 -> 28.9, T=64 67.6 -> 61.3, T=256 99.2 ->
-82.0); more warps, wider hidden blocks or smaller rank blocks were slower. The persistent
-kernel as three launches without barriers (``phased``) took 18.7 at T=1 vs 18.3 in one launch
-(bbd1708): the grid barriers cost little, the time is in the phases themselves. On the
-centroid path the scores kernel alone takes ~6.7 (a graph of one trivial kernel: ~5.1),
-scores + rank top-k 16.5 (T=1) to 30 (T=256). The CUDA tests pass on the H200 (234 passed,
-``test_centroid_argmax_cuda-23a8190.log``). Paths that never beat these two were removed: a
-radix top-k followed by a per-token gather-argmax or a per-token-block dense argmax; a top-k
-with ``C / 32`` programs per token (20.9 vs 20.6 at T=1, 50.9 vs 20.9 at T=16); and a sweep of
-the whole lm_head per 64-token block keeping every centroid's best (86c995a: 71.8 at T=1, 99.3
-at T=64, 252.2 at T=256; a whole-lm_head read through the ordering alone costs more than the
-centroid path). Block sizes, programs per token and row splits are the module constants
+path: T=1 18.4 (128) / 20.4, T=4 25.5 (128) / 21.7, T=5 28.0 (128) / 22.1, T=8 57.8 (16) / 23.5,
+T=16 78.2 (8) / 30.6; from T=32 P would be below ``PERSISTENT_MIN_PROGRAMS`` and the centroid
+path runs (T=32 38.9, T=64 51.6, T=256 70.5). vLLM's in-tree formula takes 51.1 to 998.4 over
+T=1..256, a full-vocab argmax 54.9 to 165.7. Hence the switch at 3 (T=2 and 3 not measured
+since): at T=3 the two tied before the rank top-k got its tighter bound (23a8190: persistent
+23.4, centroid 23.5), which took ~5 us off the centroid path alone (scores + rank top-k 16.5 ->
+11.4 at T=1, 21.9 -> 11.5 at T=16); at T=2 the centroid path was 5.5 behind (20.6 vs 26.1),
+about what the bound saved, so T=2 stays on the persistent kernel. The centroid path's block
+sizes and warps come from H200 sweeps (``benchmarks/centroid_argmax_sweep.py``,
+``centroid_sweep-f7fcc2d.log`` and ``centroid_sweep-0e5153e.log``): one program per picked
+centroid (no row split) and ranking in blocks of 64 candidates were 10-17% faster than two row
+splits and blocks of 128; more warps, wider or narrower hidden blocks, or four row splits were
+slower, and the bound's 4K groups about tie with 2K (8K: ~1 us slower). The persistent kernel as
+three launches without barriers (``phased``) took 18.7 at T=1 vs 18.3 in one launch (bbd1708):
+the grid barriers cost little, the time is in the phases themselves. The centroid path's scores
+kernel alone takes ~6.6 (a graph of one trivial kernel: ~5.0). The CUDA tests pass on the H200
+(234 passed, ``test_centroid_argmax_cuda-0e5153e.log``). Paths that never beat these two were
+removed: a radix top-k followed by a per-token gather-argmax or a per-token-block dense argmax;
+a top-k with ``C / 32`` programs per token (20.9 vs 20.6 at T=1, 50.9 vs 20.9 at T=16); and a
+sweep of the whole lm_head per 64-token block keeping every centroid's best (86c995a: 71.8 at
+T=1, 99.3 at T=64, 252.2 at T=256; a whole-lm_head read through the ordering alone costs more
+than the centroid path). Block sizes, programs per token and row splits are the module constants
 ``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and ``CENTROID_*``.
 
 Caveats: the persistent kernel's barriers assume all its programs are resident together; a
@@ -113,10 +116,10 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 # At or above this many tokens "auto" uses the centroid-major path, below it the persistent
 # kernel: that one reads top_k * V / C rows (2 MiB in bf16 at E2B dims) per token in one launch,
 # the centroid-major one each picked centroid's rows once for all tokens (the union of the
-# picks, at most the whole lm_head) in three. 5 from the H200 timings of 23a8190 (T = 3 / 4 / 5:
-# persistent 23.4 / 25.6 / 27.4 us with P = 128, centroid path 23.5 / 27.1 / 27.6).
+# picks, at most the whole lm_head) in three. 3 from the H200 timings of 0e5153e (T = 1 / 4:
+# persistent 18.4 / 25.5 us with P = 128, centroid path 20.4 / 21.7; see the module docstring).
 # Tunable with GEMMA4_SPEC_DENSE_MIN_TOKENS (its name from when the larger-T path was "dense").
-CENTROID_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "5"))
+CENTROID_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "3"))
 
 
 def _interpreting() -> bool:
