@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -304,63 +305,53 @@ def main() -> int:
 
 def _print_table(results: dict[str, Any]) -> None:
     """Each speculative run's step time, with its ratio to the plain run on the same model
-    runner (the pure cost of speculating there) and to vLLM's default plain run."""
+    runner (the pure cost of speculating there) and to vLLM's default plain run; its spread
+    over the rounds; its process CPU time; its host scopes where they were timed."""
     plain = {runner: next((n for n in results if n == f"plain ({runner}{tail}"), None)
              for runner, tail in (("V2", ", vLLM default)"), ("V1", ")"))}  # fmt: skip
     default = plain["V2"] or next(iter(results))
     batches = list(results[default])
-    print(f"\ndecode step time, ms (x same-runner plain / x '{default}'); acceptance a")
-    print(f"{'configuration':26}" + "".join(f"{'B=' + b:>26}" for b in batches))
-    for name, per_batch in results.items():
-        runner = "V1" if "(V1" in name else "V2"
-        same = plain[runner] or default
-        cells = []
-        for b in batches:
-            ms = per_batch[b]["step_ms"]
-            own = ms / results[same][b]["step_ms"]
-            ratio = ms / results[default][b]["step_ms"]
-            acc = per_batch[b]["acceptance_rate"]
-            cells.append(
-                f"{ms:6.3f} {own:4.2f}x/{ratio:4.2f}x"
-                + (f" a={acc:.2f}" if acc is not None else "")
-            )
-        print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
-    # Round-to-round spread. The host's speed drifts between rounds (at d947542 every host
-    # scope of a slow round grew, plain V1's too), so a ratio of medians taken over different
-    # rounds mixes that drift in; the paired table divides each round by the plain run's
-    # round just before or after it (the engines take turns within a round).
-    print("\nper round, ms: fastest - slowest (fastest x same-runner plain's fastest)")
-    print(f"{'configuration':26}" + "".join(f"{'B=' + b:>26}" for b in batches))
-    for name, per_batch in results.items():
-        same = plain["V1" if "(V1" in name else "V2"] or default
-        cells = []
-        for b in batches:
-            rounds = per_batch[b]["step_ms_all"]
-            best = min(rounds) / min(results[same][b]["step_ms_all"])
-            cells.append(f"{min(rounds):6.3f} - {max(rounds):6.3f} ({best:4.2f}x)")
-        print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
-    print("\nper round, x same-runner plain in the same round: median (lowest - highest)")
-    print(f"{'configuration':26}" + "".join(f"{'B=' + b:>26}" for b in batches))
-    for name, per_batch in results.items():
-        same = plain["V1" if "(V1" in name else "V2"] or default
-        cells = []
-        for b in batches:
-            pairs = zip(per_batch[b]["step_ms_all"], results[same][b]["step_ms_all"], strict=True)
-            ratios = [ms / base for ms, base in pairs]
-            cells.append(
-                f"{statistics.median(ratios):4.2f}x ({min(ratios):4.2f} - {max(ratios):4.2f})"
-            )
-        print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
-    if all("cpu_ms_all" in results[n][b] for n in results for b in batches):
-        print("\nper step, ms, median of the rounds: process CPU time / garbage-collection pauses")
+    Cell = Callable[[dict[str, Any], dict[str, Any], dict[str, Any]], str]
+
+    def table(title: str, cell: Cell) -> None:
+        """One row per run, one cell per batch size: ``cell(the run's figures, its same-runner
+        plain run's, the default plain run's)`` at that batch size."""
+        print(f"\n{title}")
         print(f"{'configuration':26}" + "".join(f"{'B=' + b:>26}" for b in batches))
         for name, per_batch in results.items():
-            cells = [
-                f"{statistics.median(per_batch[b]['cpu_ms_all']):6.3f} / "
-                f"{statistics.median(per_batch[b]['gc_ms_all']):6.3f}"
-                for b in batches
-            ]
+            same = results[plain["V1" if "(V1" in name else "V2"] or default]
+            cells = [cell(per_batch[b], same[b], results[default][b]) for b in batches]
             print(f"{name:26}" + "".join(f"{c:>26}" for c in cells))
+
+    def step(run: dict[str, Any], same: dict[str, Any], base: dict[str, Any]) -> str:
+        ms, acc = run["step_ms"], run["acceptance_rate"]
+        ratios = f"{ms / same['step_ms']:4.2f}x/{ms / base['step_ms']:4.2f}x"
+        return f"{ms:6.3f} {ratios}" + (f" a={acc:.2f}" if acc is not None else "")
+
+    def spread(run: dict[str, Any], same: dict[str, Any], _: dict[str, Any]) -> str:
+        rounds = run["step_ms_all"]
+        best = min(rounds) / min(same["step_ms_all"])
+        return f"{min(rounds):6.3f} - {max(rounds):6.3f} ({best:4.2f}x)"
+
+    def paired(run: dict[str, Any], same: dict[str, Any], _: dict[str, Any]) -> str:
+        pairs = zip(run["step_ms_all"], same["step_ms_all"], strict=True)
+        ratios = [ms / base for ms, base in pairs]
+        return f"{statistics.median(ratios):4.2f}x ({min(ratios):4.2f} - {max(ratios):4.2f})"
+
+    def host(run: dict[str, Any], _: dict[str, Any], __: dict[str, Any]) -> str:
+        cpu, gc_ms = statistics.median(run["cpu_ms_all"]), statistics.median(run["gc_ms_all"])
+        return f"{cpu:6.3f} / {gc_ms:6.3f}"
+
+    table(f"decode step time, ms (x same-runner plain / x '{default}'); acceptance a", step)
+    # The host's speed drifts between rounds (at d947542 every host scope of a slow round grew,
+    # plain V1's too), so a ratio of medians taken over different rounds mixes that drift in;
+    # the paired table divides each round by the plain run's round just before or after it
+    # (the engines take turns within a round).
+    table("per round, ms: fastest - slowest (fastest x same-runner plain's fastest)", spread)
+    table("per round, x same-runner plain in the same round: median (lowest - highest)", paired)
+    if all("cpu_ms_all" in results[n][b] for n in results for b in batches):
+        table("per step, ms, median of the rounds: process CPU time / garbage-collection pauses",
+              host)  # fmt: skip
     for name, per_batch in results.items():
         if "scopes" in per_batch[batches[0]]:
             _print_scopes(name, per_batch, batches)
