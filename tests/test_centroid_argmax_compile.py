@@ -67,7 +67,10 @@ def test_centroid_path_kernels_compile() -> None:
         dict(BLOCK_T=64, BLOCK_C=m.SCORES_DOT_BLOCK_C, BLOCK_D=64, PRECISION="tf32",
              UPCAST=False),
     )  # fmt: skip
-    _compile(m._select_rank_kernel, dict(BLOCK_ALL_C=2048, GROUPS=32, BLOCK_I=m.SELECT_BLOCK_I), 8)
+    groups = min(2048, m.SELECT_GROUPS_PER_K * 32)  # as select_centroids_ranked sizes it
+    _compile(
+        m._select_rank_kernel, dict(BLOCK_ALL_C=2048, GROUPS=groups, BLOCK_I=m.SELECT_BLOCK_I), 8
+    )
     _compile(
         m._centroid_argmax_kernel,
         dict(SPLIT=m.CENTROID_SPLIT, ROWS=128 // m.CENTROID_SPLIT, BLOCK_T=m.CENTROID_BLOCK_T,
