@@ -10,7 +10,8 @@
 #   pip wheel --no-deps --no-build-isolation -w .devexp/ours .  # for the plugin entry point
 # Then, on the device, one call each, back to back (the machine forgets /tmp when it goes cold):
 #   1. kernels  (carry .devexp/parts/vllm-trim.tar.xz.part00): kernel tests + benchmark, no
-#               vLLM needed; also stages part00 for step 2 ('stage' instead: only the
+#               vLLM needed (SWEEP=1: also the centroid path's block-size sweep, ~40 s);
+#               also stages part00 for step 2 ('stage' instead: only the
 #               per-step launch kernels' tests and host costs, in seconds)
 #   2. vllm     (carry part01, .devexp/wheels, .devexp/tf, .devexp/ours): installs vLLM, then
 #               the verification tests (attention, index arrays, carried tokens, greedy
@@ -47,8 +48,10 @@ stage)  # step 1 without the argmax kernels: the per-step launch kernels' tests 
 kernels)
     mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part00 /tmp/stage/
     export PYTHONPATH=$PWD
-    timeout 150 python3 benchmarks/centroid_argmax.py --tokens 1,2,3,4,8,16,32,64,256 \
+    timeout 150 python3 benchmarks/centroid_argmax.py --tokens 1,2,3,4,5,8,16,32,64,256 \
         --reps 200 --json "$OUT/centroid_argmax.json" 2>&1 | tee "$OUT/centroid_argmax.log"
+    [ -n "${SWEEP:-}" ] && timeout 90 python3 benchmarks/centroid_argmax_sweep.py --reps 100 \
+        2>&1 | grep -v Warning | tee "$OUT/centroid_sweep.log"
     timeout 200 python3 -m pytest -q tests/test_centroid_argmax_cuda.py tests/test_flat_queries.py \
         tests/test_draft_inputs.py tests/test_graphed_launch.py \
         > "$OUT/test_kernels_cuda.log" 2>&1
