@@ -3,10 +3,11 @@ dims, bf16, CUDA graphs, cold L2, the harness of ``centroid_argmax.py``).
 
 Each row sets the module constants it names (the rest at their defaults) and times, per T: the
 whole centroid path ("path"; "!" marks a T whose tokens differ from the fp32 reference), or its
-first two kernels ("select": scores and rank top-k), or its first ("scores"). The H200 runs that
-chose the defaults: ``benchmarks/results/h200/centroid_sweep-f7fcc2d.log``.
+first two kernels ("select": scores and rank top-k), or its first ("scores"), or the persistent
+kernel ("persistent", up to T = 4). The H200 runs that chose the defaults:
+``benchmarks/results/h200/centroid_sweep-*.log``.
 
-    python benchmarks/centroid_argmax_sweep.py [--tokens 5,8,16,32,64,128,256] [--reps 200]
+    python benchmarks/centroid_argmax_sweep.py [--tokens 1,2,4,5,8,16,32,64,256] [--reps 200]
 """
 
 from __future__ import annotations
@@ -24,34 +25,34 @@ from centroid_argmax import REAL, _time_cuda  # noqa: E402
 from gemma4_spec.ops import centroid_argmax_triton as m  # noqa: E402
 from gemma4_spec.ops.centroid_argmax import CentroidMask  # noqa: E402
 
-# (kind, constants): kind is what is timed.
+# (kind, constants): kind is what is timed. The first row of a kind is the defaults.
 ROWS: list[tuple[str, dict[str, int]]] = [
     *[
-        ("path", dict(CENTROID_SPLIT=s, CENTROID_BLOCK_R=r, CENTROID_BLOCK_D=d,
-                      CENTROID_WARPS=w, SELECT_BLOCK_I=b))
-        for s, r, d, w, b in [
-            (2, 64, 64, 4, 128), (1, 128, 64, 4, 128), (1, 128, 64, 4, 64), (1, 128, 128, 4, 64),
-            (2, 64, 128, 4, 64), (4, 32, 64, 4, 64), (1, 128, 32, 4, 64), (1, 128, 64, 8, 64),
-            (1, 128, 64, 2, 64), (2, 64, 256, 4, 64),
+        ("path", dict(CENTROID_COMPACT=p, CENTROID_SPLIT=s, CENTROID_BLOCK_R=r,
+                      CENTROID_BLOCK_D=d, CENTROID_WARPS=w))
+        for p, s, r, d, w in [
+            (True, 1, 128, 64, 4), (False, 1, 128, 64, 4), (True, 2, 64, 64, 4),
+            (True, 1, 128, 32, 4), (True, 1, 128, 64, 8), (True, 1, 128, 128, 4),
+            (True, 1, 64, 64, 4),
         ]
     ],
     *[
         ("select", dict(SELECT_BLOCK_I=b, SELECT_WARPS=w, SELECT_GROUPS_PER_K=g))
-        for b, w, g in [
-            (128, 8, 1), (64, 8, 1), (64, 8, 2), (64, 8, 4), (64, 8, 8), (32, 8, 4), (32, 8, 8),
-            (64, 4, 4), (32, 4, 8), (128, 8, 4),
-        ]
+        for b, w, g in [(64, 8, 4), (32, 8, 4), (64, 4, 4)]
     ],
+    ("scores", dict(SCORES_DOT_BLOCK_C=64, SCORES_WARPS=4)),
     *[
-        ("scores", dict(SCORES_DOT_BLOCK_C=c, SCORES_WARPS=w))
-        for c, w in [(64, 4), (32, 4), (128, 4), (64, 8)]
+        ("persistent", dict(PERSISTENT_RANK_IN_REGISTERS=g, PERSISTENT_PROGRAMS=p,
+                            PERSISTENT_BLOCK_R=r))
+        for g, p, r in [(65536, 128, 64), (0, 128, 64), (65536, 64, 64), (65536, 128, 32)]
     ],
 ]  # fmt: skip
+PERSISTENT_MAX_TOKENS = 4  # the persistent rows are timed up to this T
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", default="5,8,16,32,64,128,256")
+    parser.add_argument("--tokens", default="1,2,4,5,8,16,32,64,256")
     parser.add_argument("--reps", type=int, default=200)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -75,14 +76,20 @@ def main() -> None:
         for t in tokens:
             h = hidden[t]
             fn: Callable[[], torch.Tensor]
-            if kind == "path":
+            if kind == "persistent" and t > PERSISTENT_MAX_TOKENS:
+                cells.append(f"{'-':>6} ")
+                continue
+            if kind == "persistent":
+                m._PERSISTENT_PROGRAMS.clear()  # its P depends on the row's constants
+                fn = lambda h=h: m.centroid_argmax_persistent(mask, h, lm_head, state)  # noqa: E731
+            elif kind == "path":
                 fn = lambda h=h: m.centroid_argmax_centroid_major(mask, h, lm_head, state)  # noqa: E731
             elif kind == "select":
                 fn = lambda h=h: m.select_centroids_ranked(state, h, cw)[0]  # noqa: E731
             else:
                 fn = lambda h=h: m.centroid_scores(state, h, cw)[0]  # noqa: E731
             us = _time_cuda(fn, args.reps, flush)
-            wrong = kind == "path" and not bool((fn() == want[t]).all())
+            wrong = kind in ("path", "persistent") and not bool((fn() == want[t]).all())
             cells.append(f"{us:6.1f}{'!' if wrong else ' '}")
         print(f"{kind:6} {row} | " + " ".join(cells), flush=True)
     for name, value in defaults.items():

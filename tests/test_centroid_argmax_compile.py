@@ -21,11 +21,11 @@ from gemma4_spec.ops import centroid_argmax_triton as m  # noqa: E402
 
 # pointer arguments' element types (bfloat16 model); everything else not listed is int32
 POINTERS = {
-    "h_ptr": "*bf16", "cw_ptr": "*bf16", "w_ptr": "*bf16", "ordering_ptr": "*i32",
-    "sup_ptr": "*i8", "scores_ptr": "*fp32", "sel_ptr": "*i32", "part_val_ptr": "*fp32",
+    "h_ptr": "*bf16", "cw_ptr": "*bf16", "w_ptr": "*bf16", "draft_ids_ptr": "*i32",
+    "rows_ptr": "*i32", "scores_ptr": "*fp32", "sel_ptr": "*i32", "part_val_ptr": "*fp32",
     "part_idx_ptr": "*i32", "bar1_ptr": "*i32", "bar2_ptr": "*i32", "done_ptr": "*i32",
     "out_ptr": "*i64", "count_ptr": "*i32", "pick_ptr": "*i32", "cand_idx_ptr": "*i32",
-    "cand_key_ptr": "*i32", "counter_ptr": "*i32",
+    "cand_key_ptr": "*i32", "counter_ptr": "*i32", "picked_ptr": "*i32",
 }  # fmt: skip
 
 
@@ -76,5 +76,5 @@ def test_centroid_path_kernels_compile() -> None:
         dict(SPLIT=m.CENTROID_SPLIT, ROWS=128 // m.CENTROID_SPLIT, BLOCK_T=m.CENTROID_BLOCK_T,
              BLOCK_R=min(m.CENTROID_BLOCK_R, 128 // m.CENTROID_SPLIT),
              BLOCK_D=m.CENTROID_BLOCK_D, BLOCK_P=triton.next_power_of_2(32 * m.CENTROID_SPLIT),
-             V=REAL_V, PRECISION="tf32", UPCAST=False),
+             V=REAL_V, PRECISION="tf32", UPCAST=False, COMPACT=m.CENTROID_COMPACT),
     )  # fmt: skip

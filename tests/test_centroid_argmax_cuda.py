@@ -433,7 +433,7 @@ def _check_rank_select(device: str) -> None:
         vocab = num_centroids * 2
         mask = CentroidMask(cw, torch.randperm(vocab, generator=gen).to(device), top_k)
         state = prepare_fused_centroid_argmax(mask, vocab)
-        sel, count, picks = select_centroids_ranked(state, hidden, cw)
+        sel, count, picks, picked = select_centroids_ranked(state, hidden, cw)
         want = select_centroids_reference(hidden @ cw.t(), top_k)
         got = torch.zeros_like(want)
         got.scatter_(1, sel.long(), True)
@@ -442,6 +442,9 @@ def _check_rank_select(device: str) -> None:
         order = torch.sort(hidden @ cw.t(), dim=1, descending=True, stable=True).indices
         assert torch.equal(sel.long(), order[:, :top_k])
         assert torch.equal(count.long(), want.sum(0))
+        # The list of picked centroids: each centroid some token picked, once.
+        listed = picked[1 : 1 + int(picked[0])].long()
+        assert torch.equal(listed.sort().values, count.nonzero().flatten())
         for c in range(num_centroids):
             entries = picks[c, : int(count[c])].long()
             tokens, ranks = entries // top_k, entries % top_k

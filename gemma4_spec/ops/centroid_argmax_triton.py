@@ -100,6 +100,7 @@ import ctypes
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -187,9 +188,10 @@ COUNTER_ROWS = 4
 class FusedCentroidState:
     """Per-mask tensors the kernels read, built once (outside graph capture)."""
 
-    ordering: torch.Tensor  # [V] int32, token ids grouped by centroid
-    centroid_of: torch.Tensor  # [V] int32, inverse: each token's centroid
-    suppressed: torch.Tensor  # [V] int8, 1 = never drafted
+    # [V] int32: the token id at each position of the centroid ordering (centroid c's tokens at
+    # [c * V / C, (c + 1) * V / C)), -1 where that token is suppressed: one load gives a
+    # candidate row's id and whether it may be drafted.
+    draft_ids: torch.Tensor
     counters: torch.Tensor  # [COUNTER_ROWS, capacity] int32, self-resetting, per token
     num_centroids: int
     vocab: int
@@ -212,26 +214,20 @@ class FusedCentroidState:
 def prepare_fused_centroid_argmax(
     mask: CentroidMask, vocab: int, capacity: int = 1024
 ) -> FusedCentroidState:
-    """Builds the kernels' per-mask state (int32 ordering, its inverse, the suppressed flags)."""
+    """Builds the kernels' per-mask state: the ordering as int32 with the suppressed tokens
+    marked -1 (``draft_ids``), and zeroed counters."""
     num_centroids = mask.centroids_weight.shape[0]
     if vocab % num_centroids != 0 or mask.token_ordering.numel() != vocab:
         raise ValueError("token_ordering must be a permutation of the vocab, C | V")
     if not 1 <= mask.top_k <= num_centroids:
         raise ValueError(f"top_k={mask.top_k} must be in [1, {num_centroids}]")
     device = mask.centroids_weight.device
-    ordering = mask.token_ordering.to(device=device, dtype=torch.int32).contiguous()
-    centroid_of = torch.empty(vocab, dtype=torch.int32, device=device)
-    centroid_of[ordering.long()] = torch.arange(
-        num_centroids, dtype=torch.int32, device=device
-    ).repeat_interleave(vocab // num_centroids)
-    suppressed = torch.zeros(vocab, dtype=torch.int8, device=device)
+    draft_ids = mask.token_ordering.to(device=device, dtype=torch.int32).clone()
     if mask.has_suppressed():
         assert mask.suppressed is not None
-        suppressed[mask.suppressed.to(device=device, dtype=torch.long)] = 1
+        draft_ids[torch.isin(draft_ids, mask.suppressed.to(device=device, dtype=torch.int32))] = -1
     counters = torch.zeros(COUNTER_ROWS, capacity, dtype=torch.int32, device=device)
-    return FusedCentroidState(
-        ordering, centroid_of, suppressed, counters, num_centroids, vocab, mask.top_k
-    )
+    return FusedCentroidState(draft_ids.contiguous(), counters, num_centroids, vocab, mask.top_k)
 
 
 # Keyed by the identity and version of the mask's tensors; the entry holds them alive, so an
@@ -286,6 +282,15 @@ if HAS_TRITON:
     # ---------------------------------------------------------------------------- rank top-k
 
     @triton.jit
+    def _rank_against(key_i, idx_i, key_j, idx_j, j_ok):
+        """For each i: #{j : key_j > key_i} + #{j : key_j == key_i, idx_j < idx_i}, over the
+        ``j_ok`` entries (all four are register tensors: [I] for i, [J] for j)."""
+        ahead = (key_j[None, :] > key_i[:, None]) | (
+            (key_j[None, :] == key_i[:, None]) & (idx_j[None, :] < idx_i[:, None])
+        )
+        return tl.sum((ahead & j_ok[None, :]).to(tl.int32), axis=1)
+
+    @triton.jit
     def _rank_block(
         key_i,  # [BLOCK_I] int32 keys of the centroids being ranked
         idx_i,  # [BLOCK_I] int32 their indices
@@ -297,26 +302,21 @@ if HAS_TRITON:
         KEYS_ARE_SCORES: tl.constexpr,
         INDEX_IS_POS: tl.constexpr,
     ):
-        """rank(i) = #{j : key_j > key_i} + #{j : key_j == key_i, idx_j < idx_i}, counted
-        against the ``n`` entries at ``keys_ptr`` in chunks of CHUNK (read through L2: they
-        may have been written by other programs)."""
+        """``_rank_against`` the ``n`` entries at ``keys_ptr``, read in chunks of CHUNK
+        (through L2: they may have been written by other programs)."""
         rank = tl.zeros([BLOCK_I], dtype=tl.int32)
         for j0 in range(0, n, CHUNK):
             offs_j = j0 + tl.arange(0, CHUNK)
             j_ok = offs_j < n
             if KEYS_ARE_SCORES:
-                s = tl.load(keys_ptr + offs_j, mask=j_ok, other=0.0, cache_modifier=".cg")
-                key_j = _sortable_key(s)
+                key_j = _score_keys(keys_ptr, offs_j, j_ok, ".cg")
             else:
                 key_j = tl.load(keys_ptr + offs_j, mask=j_ok, other=0, cache_modifier=".cg")
             if INDEX_IS_POS:
                 idx_j = offs_j
             else:
                 idx_j = tl.load(idx_ptr + offs_j, mask=j_ok, other=0, cache_modifier=".cg")
-            before = (key_j[None, :] > key_i[:, None]) | (
-                (key_j[None, :] == key_i[:, None]) & (idx_j[None, :] < idx_i[:, None])
-            )
-            rank += tl.sum((before & j_ok[None, :]).to(tl.int32), axis=1)
+            rank += _rank_against(key_i, idx_i, key_j, idx_j, j_ok)
         return rank
 
     @triton.jit
@@ -364,10 +364,9 @@ if HAS_TRITON:
         h_ptr,  # [T, D]
         cw_ptr,  # [C, D]
         w_ptr,  # [V, D] lm_head
-        ordering_ptr,  # [V] int32
-        sup_ptr,  # [V] int8
+        draft_ids_ptr,  # [V] int32: token ids in centroid order, -1 = suppressed
         scores_ptr,  # [T, C] fp32 scratch
-        sel_ptr,  # [T, K] int32 scratch: selected centroid of each rank
+        rows_ptr,  # [T, K * TPC] int32 scratch: the picked centroids' draft ids, by rank
         part_val_ptr,  # [T, P] fp32
         part_idx_ptr,  # [T, P] int32
         bar1_ptr,  # [T] int32, zero on entry and on exit
@@ -383,10 +382,12 @@ if HAS_TRITON:
         stride_w,
         P: tl.constexpr,  # programs per token
         BLOCK_C: tl.constexpr,  # centroids per program (P * BLOCK_C >= C)
+        BLOCK_TPC: tl.constexpr,  # >= TPC, a power of two
         ROWS: tl.constexpr,  # candidate rows per program (P * ROWS >= K * TPC)
         BLOCK_R: tl.constexpr,
         BLOCK_D: tl.constexpr,
         RANK_CHUNK: tl.constexpr,
+        RANK_IN_REGISTERS: tl.constexpr,  # rank against the scores held, not re-read
         BLOCK_ALL_C: tl.constexpr,  # >= C, a power of two
         GROUPS: tl.constexpr,  # a power of two >= K (and <= BLOCK_ALL_C)
         BLOCK_P: tl.constexpr,  # >= P
@@ -397,6 +398,16 @@ if HAS_TRITON:
         p = tl.program_id(1)
         offs_c = p * BLOCK_C + tl.arange(0, BLOCK_C)
         c_ok = offs_c < C
+        if PHASE == 0 or PHASE == 2:
+            # The draft ids of this program's centroids, for phase 2 to hand over the picked
+            # ones: loaded first, so they arrive during phase 1 and the barrier.
+            offs_i = tl.arange(0, BLOCK_TPC)
+            i_ok = offs_i < TPC
+            own_ids = tl.load(
+                draft_ids_ptr + offs_c[:, None] * TPC + offs_i[None, :],
+                mask=c_ok[:, None] & i_ok[None, :],
+                other=-1,
+            )
         # Phase 1: this program's centroid scores, fp32.
         if PHASE == 0 or PHASE == 1:
             acc = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -413,22 +424,33 @@ if HAS_TRITON:
             tl.store(scores_ptr + t * C + offs_c, acc, mask=c_ok)
         if PHASE == 0:
             _grid_barrier(bar1_ptr + t, P)
-        # Phase 2: rank this program's centroids against all the token's scores, only if one
-        # of them reaches the group-maxima bound (most programs have none: no L2 round trips
-        # of ranking for them). Scores written by other programs: read through L2 (".cg").
+        # Phase 2: the token's scores (written by every program: read through L2, ".cg") give
+        # the group-maxima bound; a program with a centroid reaching it (few do) ranks its
+        # centroids against all C, and writes each picked centroid's draft ids at its rank.
         if PHASE == 0 or PHASE == 2:
             offs_all = tl.arange(0, BLOCK_ALL_C)
-            all_key = _score_keys(scores_ptr + t * C, offs_all, offs_all < C, ".cg")
-            bound = _pick_bound(all_key, BLOCK_ALL_C, GROUPS)
-            own_key = _score_keys(scores_ptr + t * C, offs_c, c_ok, ".cg")
+            all_ok = offs_all < C
+            all_key = _score_keys(scores_ptr + t * C, offs_all, all_ok, ".cg")
+            bound = _kth_group_max(all_key, K, BLOCK_ALL_C, GROUPS)
+            if PHASE == 0:  # this program's own scores are still in its registers
+                own_key = tl.where(c_ok, _sortable_key(acc), -(2**31))
+            else:
+                own_key = _score_keys(scores_ptr + t * C, offs_c, c_ok, ".cg")
             maybe = c_ok & (own_key >= bound)
             if tl.max(maybe.to(tl.int32), axis=0) > 0:
-                rank = _rank_block(
-                    own_key, offs_c, scores_ptr + t * C, scores_ptr, C,
-                    BLOCK_C, RANK_CHUNK, True, True,
-                )  # fmt: skip
+                if RANK_IN_REGISTERS:
+                    rank = _rank_against(own_key, offs_c, all_key, offs_all, all_ok)
+                else:
+                    rank = _rank_block(
+                        own_key, offs_c, scores_ptr + t * C, scores_ptr, C,
+                        BLOCK_C, RANK_CHUNK, True, True,
+                    )  # fmt: skip
                 chosen = maybe & (rank < K)
-                tl.store(sel_ptr + t * K + rank, offs_c, mask=chosen)
+                tl.store(
+                    rows_ptr + t * K * TPC + rank[:, None] * TPC + offs_i[None, :],
+                    own_ids,
+                    mask=chosen[:, None] & i_ok[None, :],
+                )
         if PHASE == 0:
             _grid_barrier(bar2_ptr + t, P)
         # Phase 3: this program's share of the K * TPC candidate rows; best (value, id).
@@ -439,8 +461,8 @@ if HAS_TRITON:
                 local = r0 + tl.arange(0, BLOCK_R)
                 j = p * ROWS + local
                 r_ok = (local < ROWS) & (j < K * TPC)
-                c = tl.load(sel_ptr + t * K + j // TPC, mask=r_ok, other=0, cache_modifier=".cg")
-                ids = tl.load(ordering_ptr + c * TPC + j % TPC, mask=r_ok, other=0)
+                ids = tl.load(rows_ptr + t * K * TPC + j, mask=r_ok, other=-1, cache_modifier=".cg")
+                ok = ids >= 0  # in range and not suppressed
                 logit = tl.zeros([BLOCK_R], dtype=tl.float32)
                 for e0 in range(0, D, BLOCK_D):
                     offs_e = e0 + tl.arange(0, BLOCK_D)
@@ -448,12 +470,10 @@ if HAS_TRITON:
                     hv3 = tl.load(h_ptr + t * stride_h + offs_e, mask=e_ok, other=0.0)
                     w = tl.load(
                         w_ptr + ids[:, None].to(tl.int64) * stride_w + offs_e[None, :],
-                        mask=r_ok[:, None] & e_ok[None, :],
+                        mask=ok[:, None] & e_ok[None, :],
                         other=0.0,
                     ).to(tl.float32)
                     logit += tl.sum(w * hv3.to(tl.float32)[None, :], axis=1)
-                sup = tl.load(sup_ptr + ids, mask=r_ok, other=1)
-                ok = r_ok & (sup == 0)
                 take = ok & ((logit > best_v) | ((logit == best_v) & (ids < best_i)))
                 best_v = tl.where(take, logit, best_v)
                 best_i = tl.where(take, ids, best_i)
@@ -487,6 +507,7 @@ if HAS_TRITON:
         cw_ptr,  # [C, D]
         scores_ptr,  # [T, C] fp32 out
         count_ptr,  # [C] int32 out: zeroed here for the select kernel
+        picked_ptr,  # [C + 1] int32: its first entry zeroed here for the select kernel
         T,
         C,
         D,
@@ -516,6 +537,8 @@ if HAS_TRITON:
         )
         if tb == 0:
             tl.store(count_ptr + offs_c, tl.zeros([BLOCK_C], tl.int32), mask=c_ok)
+            if cb == 0:
+                tl.store(picked_ptr, 0)
 
     @triton.jit
     def _score_keys(row_ptr, offs, ok, CACHE: tl.constexpr):
@@ -524,12 +547,6 @@ if HAS_TRITON:
         other programs of the same launch)."""
         scores = tl.load(row_ptr + offs, mask=ok, other=0.0, cache_modifier=CACHE)
         return tl.where(ok, _sortable_key(scores), -(2**31))
-
-    @triton.jit
-    def _pick_bound(key, BLOCK_ALL_C: tl.constexpr, GROUPS: tl.constexpr):
-        """The smallest of GROUPS (>= top_k) group maxima: at most the top_k-th largest key,
-        so no key below it can be picked."""
-        return tl.min(tl.max(tl.reshape(key, [GROUPS, BLOCK_ALL_C // GROUPS]), axis=1), axis=0)
 
     @triton.jit
     def _kth_group_max(key, K, BLOCK_ALL_C: tl.constexpr, GROUPS: tl.constexpr):
@@ -542,12 +559,17 @@ if HAS_TRITON:
         return tl.max(tl.where(reaching >= K, maxima, -(2**31)), axis=0)
 
     @triton.jit
-    def _append_picks(t, rank, idx, chosen, sel_ptr, count_ptr, pick_ptr, T, K):
+    def _append_picks(t, rank, idx, chosen, sel_ptr, count_ptr, pick_ptr, picked_ptr, T, K):
         """Token t picked centroids ``idx`` (where ``chosen``) at ``rank``: into sel[t, rank]
-        and, as ``t * K + rank``, onto each centroid's list of picks."""
+        and, as ``t * K + rank``, onto each centroid's list of picks; a centroid's first pick
+        also appends it to the list of picked centroids (``picked_ptr[1:]``, its length at
+        ``picked_ptr[0]``)."""
         tl.store(sel_ptr + t * K + rank, idx, mask=chosen)
         at = tl.atomic_add(count_ptr + idx, 1, mask=chosen, sem="relaxed")
         tl.store(pick_ptr + idx * T + at, t * K + rank, mask=chosen)
+        first = chosen & (at == 0)
+        slot = tl.atomic_add(picked_ptr + tl.zeros_like(idx), 1, mask=first, sem="relaxed")
+        tl.store(picked_ptr + 1 + slot, idx, mask=first)
 
     @triton.jit
     def _select_rank_kernel(
@@ -557,6 +579,7 @@ if HAS_TRITON:
         sel_ptr,  # [T, K] int32 out: selected centroid of each rank
         count_ptr,  # [C] int32, zero on entry: how many tokens picked each centroid
         pick_ptr,  # [C, T] int32 out: the picks of each centroid, as t * K + rank
+        picked_ptr,  # [C + 1] int32, first entry zero on entry: the picked centroids
         T,
         C,
         K,
@@ -589,16 +612,16 @@ if HAS_TRITON:
                 BLOCK_I, BLOCK_I, False, False,
             )  # fmt: skip
             chosen = i_ok & (rank < K)
-            _append_picks(t, rank, idx_i, chosen, sel_ptr, count_ptr, pick_ptr, T, K)
+            _append_picks(t, rank, idx_i, chosen, sel_ptr, count_ptr, pick_ptr, picked_ptr, T, K)
 
     @triton.jit
     def _centroid_argmax_kernel(
         h_ptr,  # [T, D]
         w_ptr,  # [V, D]
-        ordering_ptr,  # [V] int32
-        sup_ptr,  # [V] int8
+        draft_ids_ptr,  # [V] int32: token ids in centroid order, -1 = suppressed
         count_ptr,  # [C] int32
         pick_ptr,  # [C, T] int32: t * K + rank
+        picked_ptr,  # [C + 1] int32: how many centroids were picked, then which
         part_val_ptr,  # [T, K * SPLIT] fp32
         part_idx_ptr,  # [T, K * SPLIT] int32
         counter_ptr,  # [T] int32, zero on entry and on exit
@@ -618,32 +641,59 @@ if HAS_TRITON:
         V: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        COMPACT: tl.constexpr,  # program i takes the i-th picked centroid, not centroid i
     ):
-        """Program (c, s) reads rows [s * ROWS, (s + 1) * ROWS) of centroid c once (none if no
-        token picked c) and scores them for the tokens that picked c, BLOCK_T at a time."""
-        c = tl.program_id(0)
+        """Program (n, s) reads rows [s * ROWS, (s + 1) * ROWS) of centroid c once and scores
+        them for the tokens that picked c, BLOCK_T at a time; c is n (nothing to do if no
+        token picked it) or, with COMPACT, the n-th centroid of the picked list (nothing to do
+        past its end), so that no program slot goes to an unpicked centroid."""
         s = tl.program_id(1)
-        n = tl.load(count_ptr + c)
+        if COMPACT:
+            nth = tl.program_id(0)
+            listed = nth < tl.load(picked_ptr)
+            c = tl.where(listed, tl.load(picked_ptr + 1 + nth), 0)
+        else:
+            c = tl.program_id(0)
+            listed = c >= 0
+        # Issued before the pick count, to be in flight with it rather than after it: the first
+        # BLOCK_T picks (entries past the count are stale and masked off below) and, when the
+        # program's rows fit one tile, their draft ids.
+        offs_t = tl.arange(0, BLOCK_T)
+        first_pick = tl.load(pick_ptr + c * T + offs_t, mask=offs_t < T, other=0)
+        if ROWS <= BLOCK_R:
+            local = tl.arange(0, BLOCK_R)
+            offs_r = s * ROWS + local
+            tile_ids = tl.load(
+                draft_ids_ptr + c * TPC + offs_r, mask=(local < ROWS) & (offs_r < TPC), other=-1
+            )
+        n = tl.load(count_ptr + c, mask=listed, other=0)
         for tb in range(0, n, BLOCK_T):
-            offs_b = tb + tl.arange(0, BLOCK_T)
+            offs_b = tb + offs_t
             b_ok = offs_b < n
-            pick = tl.load(pick_ptr + c * T + offs_b, mask=b_ok, other=0)
+            later = tl.load(pick_ptr + c * T + offs_b, mask=b_ok & (tb > 0), other=0)
+            pick = tl.where(tb == 0, first_pick, later)
             tok = pick // K
             slot = (pick % K) * SPLIT + s
             best_v = tl.full([BLOCK_T], float("-inf"), tl.float32)
             best_i = tl.full([BLOCK_T], V, tl.int32)
             for r0 in range(0, ROWS, BLOCK_R):
-                local = r0 + tl.arange(0, BLOCK_R)
-                offs_r = s * ROWS + local
-                r_ok = (local < ROWS) & (offs_r < TPC)
-                ids = tl.load(ordering_ptr + c * TPC + offs_r, mask=r_ok, other=0)
+                if ROWS <= BLOCK_R:
+                    ids = tile_ids
+                else:
+                    local = r0 + tl.arange(0, BLOCK_R)
+                    offs_r = s * ROWS + local
+                    ids = tl.load(
+                        draft_ids_ptr + c * TPC + offs_r,
+                        mask=(local < ROWS) & (offs_r < TPC),
+                        other=-1,
+                    )
+                r_ok = ids >= 0  # in range and not suppressed
                 acc = _rows_dot(
                     tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32),
                     h_ptr + tok * stride_h, b_ok, w_ptr + ids.to(tl.int64) * stride_w, r_ok,
                     D, BLOCK_D, PRECISION, UPCAST,
                 )  # fmt: skip
-                sup = tl.load(sup_ptr + ids, mask=r_ok, other=1)
-                ok = b_ok[:, None] & (r_ok & (sup == 0))[None, :]
+                ok = b_ok[:, None] & r_ok[None, :]
                 vals = tl.where(ok, acc, float("-inf"))
                 cand = tl.where(ok, ids[None, :], V)
                 m, i = _best_of(vals, cand, 1, V)
@@ -689,6 +739,10 @@ PERSISTENT_INTERPRET_SMS = 16  # "SM count" under the interpreter (small test gr
 # already took ~1.8x the centroid path's time on the H200.
 PERSISTENT_MIN_PROGRAMS = 8
 PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T grows)
+# Phase 2 ranks against the C scores it holds in registers when its compare tile, centroids per
+# program x C (rounded up to powers of two), has at most this many elements (real dims: P >= 64
+# programs per token); against chunks re-read from L2 otherwise.
+PERSISTENT_RANK_IN_REGISTERS = 65536
 SCORES_MAX_BLOCK_T = 64
 SCORES_DOT_BLOCK_C = 64
 SCORES_WARPS = 4
@@ -700,6 +754,9 @@ CENTROID_BLOCK_T = 16
 CENTROID_BLOCK_R = 128
 CENTROID_BLOCK_D = 64
 CENTROID_WARPS = 4
+# One program per picked centroid (from the list the rank top-k builds), rather than one per
+# centroid of which the unpicked ones exit at once.
+CENTROID_COMPACT = True
 
 
 def _check(mask: CentroidMask, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
@@ -840,15 +897,18 @@ def persistent_meta(progs: int, num_centroids: int, d: int, top_k: int, vocab: i
     rows = triton.cdiv(top_k * tpc, progs)
     block_r = min(PERSISTENT_BLOCK_R, triton.next_power_of_2(rows))
     block_d = min(256, triton.next_power_of_2(d))
+    all_c = triton.next_power_of_2(num_centroids)
     return dict(
         P=progs,
         BLOCK_C=block_c,
+        BLOCK_TPC=triton.next_power_of_2(tpc),
         ROWS=rows,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
-        RANK_CHUNK=max(16, min(triton.next_power_of_2(num_centroids), 8192 // block_c)),
-        BLOCK_ALL_C=triton.next_power_of_2(num_centroids),
-        GROUPS=triton.next_power_of_2(top_k),
+        RANK_CHUNK=max(16, min(all_c, 8192 // block_c)),
+        RANK_IN_REGISTERS=block_c * all_c <= PERSISTENT_RANK_IN_REGISTERS,
+        BLOCK_ALL_C=all_c,
+        GROUPS=min(all_c, SELECT_GROUPS_PER_K * triton.next_power_of_2(top_k)),
         BLOCK_P=triton.next_power_of_2(progs),
         V=vocab,
         num_warps=8 if block_r * block_d >= 16384 else 4,  # more rows in flight per program
@@ -869,12 +929,12 @@ def _persistent_launch(
     dev = hidden.device
     c, k, vocab = state.num_centroids, state.top_k, state.vocab
     scores = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
-    sel = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
+    rows = torch.empty(num_tokens, k * (vocab // c), dtype=torch.int32, device=dev)
     part_val = torch.empty(num_tokens, progs, dtype=torch.float32, device=dev)
     part_idx = torch.empty(num_tokens, progs, dtype=torch.int32, device=dev)
     args = (
-        hidden, mask.centroids_weight, lm_head_weight, state.ordering, state.suppressed,
-        scores, sel, part_val, part_idx,
+        hidden, mask.centroids_weight, lm_head_weight, state.draft_ids, scores, rows,
+        part_val, part_idx,
         state.counters[_ROW_BAR1], state.counters[_ROW_BAR2], state.counters[_ROW_DONE], out,
         c, d, k, vocab // c, hidden.stride(0), mask.centroids_weight.stride(0),
         lm_head_weight.stride(0),
@@ -974,39 +1034,47 @@ def centroid_scores(
     state: FusedCentroidState, hidden: torch.Tensor, centroids_weight: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kernel 1 of the centroid-major path: fp32 centroid scores ``[T, C]`` by ``tl.dot`` over
-    token blocks; also returns the per-centroid pick counts ``[C]`` int32 it zeroes."""
+    token blocks; also returns the per-centroid pick counts ``[C]`` int32 and the list of
+    picked centroids ``[C + 1]`` int32 whose length (first entry) it zeroes."""
     num_tokens, d = hidden.shape
     c = state.num_centroids
     dev = hidden.device
     scores = torch.empty(num_tokens, c, dtype=torch.float32, device=dev)
     count = torch.empty(c, dtype=torch.int32, device=dev)
+    picked = torch.empty(c + 1, dtype=torch.int32, device=dev)
     precision, upcast = _dot_precision(hidden)
     block_t = min(SCORES_MAX_BLOCK_T, max(16, triton.next_power_of_2(num_tokens)))
     block_c = SCORES_DOT_BLOCK_C if num_tokens > 64 else SCORES_DOT_BLOCK_C // 2
     block_c = max(16, min(block_c, triton.next_power_of_2(c)))
     _scores_dot_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(c, block_c))](
-        hidden, centroids_weight, scores, count, num_tokens, c, d,
+        hidden, centroids_weight, scores, count, picked, num_tokens, c, d,
         hidden.stride(0), centroids_weight.stride(0),
         BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_D=min(64, max(16, triton.next_power_of_2(d))),
         PRECISION=precision, UPCAST=upcast, num_warps=SCORES_WARPS,
     )  # fmt: skip
-    return scores, count
+    return scores, count, picked
+
+
+class RankedPicks(NamedTuple):
+    """What the rank top-k leaves for the centroid-major kernel (all int32)."""
+
+    sel: torch.Tensor  # [T, K]: the centroid of each rank
+    count: torch.Tensor  # [C]: how many tokens picked each centroid
+    picks: torch.Tensor  # [C, T]: row c's first count[c] entries are t * K + rank, unordered
+    picked: torch.Tensor  # [C + 1]: how many centroids were picked, then those, unordered
 
 
 def select_centroids_ranked(
     state: FusedCentroidState,
     hidden: torch.Tensor,
     centroids_weight: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> RankedPicks:
     """Kernels 1 and 2 of the centroid-major path: fp32 scores (``centroid_scores``), then
-    each token's top-k by rank (``_select_rank_kernel``, one program per token). Returns
-    (sel [T, K] int32: the centroid of each rank, count [C] int32: how many tokens picked each
-    centroid, picks [C, T] int32: the first ``count[c]`` entries of row c are ``t * K + rank``
-    of the tokens that picked c, in no particular order)."""
+    each token's top-k by rank (``_select_rank_kernel``, one program per token)."""
     num_tokens = hidden.shape[0]
     c, k = state.num_centroids, state.top_k
     dev = hidden.device
-    scores, count = centroid_scores(state, hidden, centroids_weight)
+    scores, count, picked = centroid_scores(state, hidden, centroids_weight)
     picks = torch.empty(c, num_tokens, dtype=torch.int32, device=dev)
     sel = torch.empty(num_tokens, k, dtype=torch.int32, device=dev)
     all_c = triton.next_power_of_2(c)
@@ -1014,11 +1082,11 @@ def select_centroids_ranked(
     cand_idx = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
     cand_key = torch.empty(num_tokens, all_c, dtype=torch.int32, device=dev)
     _select_rank_kernel[(num_tokens,)](
-        scores, cand_idx, cand_key, sel, count, picks, num_tokens, c, k,
+        scores, cand_idx, cand_key, sel, count, picks, picked, num_tokens, c, k,
         BLOCK_ALL_C=all_c, GROUPS=groups,
         BLOCK_I=min(SELECT_BLOCK_I, all_c), num_warps=SELECT_WARPS if all_c >= 2048 else 4,
     )  # fmt: skip
-    return sel, count, picks
+    return RankedPicks(sel, count, picks, picked)
 
 
 def centroid_argmax_centroid_major(
@@ -1040,7 +1108,7 @@ def centroid_argmax_centroid_major(
     if num_tokens == 0:
         return out
     state.ensure_capacity(num_tokens)
-    _, count, picks = select_centroids_ranked(state, hidden, mask.centroids_weight)
+    ranked = select_centroids_ranked(state, hidden, mask.centroids_weight)
     k, c = state.top_k, state.num_centroids
     tpc = vocab // c
     split = max(1, min(CENTROID_SPLIT, tpc // 16))
@@ -1048,8 +1116,10 @@ def centroid_argmax_centroid_major(
     part_val = torch.empty(num_tokens, k * split, dtype=torch.float32, device=hidden.device)
     part_idx = torch.empty(num_tokens, k * split, dtype=torch.int32, device=hidden.device)
     precision, upcast = _dot_precision(hidden)
-    _centroid_argmax_kernel[(c, split)](
-        hidden, lm_head_weight, state.ordering, state.suppressed, count, picks,
+    # With COMPACT, one program per centroid some token can have picked: at most T * K.
+    programs = min(c, num_tokens * k) if CENTROID_COMPACT else c
+    _centroid_argmax_kernel[(programs, split)](
+        hidden, lm_head_weight, state.draft_ids, ranked.count, ranked.picks, ranked.picked,
         part_val, part_idx, state.counters[_ROW_CENTROID], out,
         num_tokens, d, k, tpc, hidden.stride(0), lm_head_weight.stride(0),
         SPLIT=split,
@@ -1061,6 +1131,7 @@ def centroid_argmax_centroid_major(
         V=vocab,
         PRECISION=precision,
         UPCAST=upcast,
+        COMPACT=CENTROID_COMPACT,
         num_warps=CENTROID_WARPS,
     )  # fmt: skip
     return out
