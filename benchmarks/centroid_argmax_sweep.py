@@ -31,20 +31,19 @@ ROWS: list[tuple[str, dict[str, int]]] = [
         ("path", dict(CENTROID_COMPACT=p, CENTROID_SPLIT=s, CENTROID_BLOCK_R=r,
                       CENTROID_BLOCK_D=d, CENTROID_WARPS=w))
         for p, s, r, d, w in [
-            (True, 1, 128, 64, 4), (False, 1, 128, 64, 4), (True, 2, 64, 64, 4),
-            (True, 1, 128, 32, 4), (True, 1, 128, 64, 8), (True, 1, 128, 128, 4),
-            (True, 1, 64, 64, 4),
+            (True, 1, 128, 64, 4), (True, 1, 64, 64, 4), (True, 1, 32, 64, 4),
+            (True, 1, 64, 128, 4), (True, 2, 64, 64, 4), (True, 1, 64, 64, 2),
         ]
     ],
-    *[
-        ("select", dict(SELECT_BLOCK_I=b, SELECT_WARPS=w, SELECT_GROUPS_PER_K=g))
-        for b, w, g in [(64, 8, 4), (32, 8, 4), (64, 4, 4)]
-    ],
+    ("select", dict(SELECT_BLOCK_I=64, SELECT_WARPS=8, SELECT_GROUPS_PER_K=4)),
     ("scores", dict(SCORES_DOT_BLOCK_C=64, SCORES_WARPS=4)),
     *[
-        ("persistent", dict(PERSISTENT_RANK_IN_REGISTERS=g, PERSISTENT_PROGRAMS=p,
-                            PERSISTENT_BLOCK_R=r))
-        for g, p, r in [(65536, 128, 64), (0, 128, 64), (65536, 64, 64), (65536, 128, 32)]
+        ("persistent", dict(PERSISTENT_POLL_LOADS=q, PERSISTENT_RANK_IN_REGISTERS=g,
+                            PERSISTENT_PROGRAMS=p, PERSISTENT_BLOCK_R=r))
+        for q, g, p, r in [
+            (True, 65536, 128, 64), (False, 65536, 128, 64), (True, 65536, 128, 32),
+            (True, 65536, 64, 64), (False, 65536, 128, 32),
+        ]
     ],
 ]  # fmt: skip
 PERSISTENT_MAX_TOKENS = 4  # the persistent rows are timed up to this T

@@ -348,11 +348,17 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _grid_barrier(counter_ptr, expected):
+    def _grid_barrier(counter_ptr, expected, POLL_LOADS: tl.constexpr):
         """Every program of a token arrives (release) then waits (acquire) for all of them.
-        Only valid when all of them are resident at once (the launcher sizes the grid so)."""
+        Only valid when all of them are resident at once (the launcher sizes the grid so).
+        POLL_LOADS: wait with plain (volatile) loads, which the L2 serves side by side, and
+        only then take the acquiring read; otherwise every poll is an atomic, and the polls of
+        all P programs queue on the one counter with the arrivals."""
         tl.debug_barrier()  # every thread's stores happen before the releasing arrive
         tl.atomic_add(counter_ptr, 1, sem="release")
+        if POLL_LOADS:
+            while tl.load(counter_ptr, volatile=True) < expected:
+                pass
         while tl.atomic_add(counter_ptr, 0, sem="acquire") < expected:
             pass
         tl.debug_barrier()
@@ -392,6 +398,7 @@ if HAS_TRITON:
         GROUPS: tl.constexpr,  # a power of two >= K (and <= BLOCK_ALL_C)
         BLOCK_P: tl.constexpr,  # >= P
         V: tl.constexpr,
+        POLL_LOADS: tl.constexpr,  # how the grid barriers wait (_grid_barrier)
         PHASE: tl.constexpr,  # 0: all three with grid barriers; 1, 2, 3: that phase alone
     ):
         t = tl.program_id(0)
@@ -423,7 +430,7 @@ if HAS_TRITON:
                 acc += tl.sum(cw * hv[None, :], axis=1)
             tl.store(scores_ptr + t * C + offs_c, acc, mask=c_ok)
         if PHASE == 0:
-            _grid_barrier(bar1_ptr + t, P)
+            _grid_barrier(bar1_ptr + t, P, POLL_LOADS)
         # Phase 2: the token's scores (written by every program: read through L2, ".cg") give
         # the group-maxima bound; a program with a centroid reaching it (few do) ranks its
         # centroids against all C, and writes each picked centroid's draft ids at its rank.
@@ -452,7 +459,7 @@ if HAS_TRITON:
                     mask=chosen[:, None] & i_ok[None, :],
                 )
         if PHASE == 0:
-            _grid_barrier(bar2_ptr + t, P)
+            _grid_barrier(bar2_ptr + t, P, POLL_LOADS)
         # Phase 3: this program's share of the K * TPC candidate rows; best (value, id).
         if PHASE == 0 or PHASE == 3:
             best_v = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -656,16 +663,15 @@ if HAS_TRITON:
             c = tl.program_id(0)
             listed = c >= 0
         # Issued before the pick count, to be in flight with it rather than after it: the first
-        # BLOCK_T picks (entries past the count are stale and masked off below) and, when the
-        # program's rows fit one tile, their draft ids.
+        # BLOCK_T picks (entries past the count are stale and masked off below) and the draft
+        # ids of the first row tile.
         offs_t = tl.arange(0, BLOCK_T)
         first_pick = tl.load(pick_ptr + c * T + offs_t, mask=offs_t < T, other=0)
-        if ROWS <= BLOCK_R:
-            local = tl.arange(0, BLOCK_R)
-            offs_r = s * ROWS + local
-            tile_ids = tl.load(
-                draft_ids_ptr + c * TPC + offs_r, mask=(local < ROWS) & (offs_r < TPC), other=-1
-            )
+        local = tl.arange(0, BLOCK_R)
+        offs_r = s * ROWS + local
+        first_ids = tl.load(
+            draft_ids_ptr + c * TPC + offs_r, mask=(local < ROWS) & (offs_r < TPC), other=-1
+        )
         n = tl.load(count_ptr + c, mask=listed, other=0)
         for tb in range(0, n, BLOCK_T):
             offs_b = tb + offs_t
@@ -677,16 +683,14 @@ if HAS_TRITON:
             best_v = tl.full([BLOCK_T], float("-inf"), tl.float32)
             best_i = tl.full([BLOCK_T], V, tl.int32)
             for r0 in range(0, ROWS, BLOCK_R):
-                if ROWS <= BLOCK_R:
-                    ids = tile_ids
-                else:
-                    local = r0 + tl.arange(0, BLOCK_R)
-                    offs_r = s * ROWS + local
-                    ids = tl.load(
-                        draft_ids_ptr + c * TPC + offs_r,
-                        mask=(local < ROWS) & (offs_r < TPC),
-                        other=-1,
-                    )
+                local = r0 + tl.arange(0, BLOCK_R)
+                offs_r = s * ROWS + local
+                later_ids = tl.load(
+                    draft_ids_ptr + c * TPC + offs_r,
+                    mask=(local < ROWS) & (offs_r < TPC) & (r0 > 0),
+                    other=-1,
+                )
+                ids = tl.where(r0 == 0, first_ids, later_ids)
                 r_ok = ids >= 0  # in range and not suppressed
                 acc = _rows_dot(
                     tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32),
@@ -743,6 +747,7 @@ PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T g
 # program x C (rounded up to powers of two), has at most this many elements (real dims: P >= 64
 # programs per token); against chunks re-read from L2 otherwise.
 PERSISTENT_RANK_IN_REGISTERS = 65536
+PERSISTENT_POLL_LOADS = True  # the grid barriers wait on plain loads (see _grid_barrier)
 SCORES_MAX_BLOCK_T = 64
 SCORES_DOT_BLOCK_C = 64
 SCORES_WARPS = 4
@@ -911,6 +916,7 @@ def persistent_meta(progs: int, num_centroids: int, d: int, top_k: int, vocab: i
         GROUPS=min(all_c, SELECT_GROUPS_PER_K * triton.next_power_of_2(top_k)),
         BLOCK_P=triton.next_power_of_2(progs),
         V=vocab,
+        POLL_LOADS=PERSISTENT_POLL_LOADS,
         num_warps=8 if block_r * block_d >= 16384 else 4,  # more rows in flight per program
     )
 
