@@ -31,18 +31,18 @@ ROWS: list[tuple[str, dict[str, int]]] = [
         ("path", dict(CENTROID_COMPACT=p, CENTROID_SPLIT=s, CENTROID_BLOCK_R=r,
                       CENTROID_BLOCK_D=d, CENTROID_WARPS=w))
         for p, s, r, d, w in [
-            (True, 1, 128, 64, 4), (True, 1, 64, 64, 4), (True, 1, 32, 64, 4),
-            (True, 1, 64, 128, 4), (True, 2, 64, 64, 4), (True, 1, 64, 64, 2),
+            (True, 2, 64, 64, 4), (True, 1, 128, 64, 4), (True, 2, 64, 64, 2),
+            (True, 4, 32, 64, 4), (True, 2, 64, 128, 4),
         ]
     ],
     ("select", dict(SELECT_BLOCK_I=64, SELECT_WARPS=8, SELECT_GROUPS_PER_K=4)),
     ("scores", dict(SCORES_DOT_BLOCK_C=64, SCORES_WARPS=4)),
     *[
-        ("persistent", dict(PERSISTENT_POLL_LOADS=q, PERSISTENT_RANK_IN_REGISTERS=g,
+        ("persistent", dict(PERSISTENT_PREFETCH=f, PERSISTENT_RANK_IN_REGISTERS=g,
                             PERSISTENT_PROGRAMS=p, PERSISTENT_BLOCK_R=r))
-        for q, g, p, r in [
-            (True, 65536, 128, 64), (False, 65536, 128, 64), (True, 65536, 128, 32),
-            (True, 65536, 64, 64), (False, 65536, 128, 32),
+        for f, g, p, r in [
+            (True, 65536, 128, 64), (False, 65536, 128, 64), (True, 0, 128, 64),
+            (True, 65536, 64, 64), (True, 65536, 128, 32),
         ]
     ],
 ]  # fmt: skip

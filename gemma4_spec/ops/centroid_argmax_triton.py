@@ -348,17 +348,25 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _grid_barrier(counter_ptr, expected, POLL_LOADS: tl.constexpr):
+    def _prefetch_l2(ptrs, mask):
+        """Asks L2 for the 128-byte lines at ``ptrs`` where ``mask``, without waiting."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+            "=r,l,r",
+            [ptrs, mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+    @triton.jit
+    def _grid_barrier(counter_ptr, expected):
         """Every program of a token arrives (release) then waits (acquire) for all of them.
         Only valid when all of them are resident at once (the launcher sizes the grid so).
-        POLL_LOADS: wait with plain (volatile) loads, which the L2 serves side by side, and
-        only then take the acquiring read; otherwise every poll is an atomic, and the polls of
-        all P programs queue on the one counter with the arrivals."""
+        (Polling with plain volatile loads before one acquiring atomic was slower on the H200:
+        16.0 vs 15.3 us at T=1, 19.2 vs 17.4 at T=2; centroid_sweep-3832ed8.log.)"""
         tl.debug_barrier()  # every thread's stores happen before the releasing arrive
         tl.atomic_add(counter_ptr, 1, sem="release")
-        if POLL_LOADS:
-            while tl.load(counter_ptr, volatile=True) < expected:
-                pass
         while tl.atomic_add(counter_ptr, 0, sem="acquire") < expected:
             pass
         tl.debug_barrier()
@@ -398,7 +406,10 @@ if HAS_TRITON:
         GROUPS: tl.constexpr,  # a power of two >= K (and <= BLOCK_ALL_C)
         BLOCK_P: tl.constexpr,  # >= P
         V: tl.constexpr,
-        POLL_LOADS: tl.constexpr,  # how the grid barriers wait (_grid_barrier)
+        PREFETCH: tl.constexpr,  # phase 2 prefetches the picked rows into L2
+        ROW_LINES: tl.constexpr,  # 128-byte lines per lm_head row (for PREFETCH)
+        BLOCK_LINES: tl.constexpr,  # >= ROW_LINES, a power of two
+        LINE: tl.constexpr,  # elements per 128-byte line
         PHASE: tl.constexpr,  # 0: all three with grid barriers; 1, 2, 3: that phase alone
     ):
         t = tl.program_id(0)
@@ -430,7 +441,7 @@ if HAS_TRITON:
                 acc += tl.sum(cw * hv[None, :], axis=1)
             tl.store(scores_ptr + t * C + offs_c, acc, mask=c_ok)
         if PHASE == 0:
-            _grid_barrier(bar1_ptr + t, P, POLL_LOADS)
+            _grid_barrier(bar1_ptr + t, P)
         # Phase 2: the token's scores (written by every program: read through L2, ".cg") give
         # the group-maxima bound; a program with a centroid reaching it (few do) ranks its
         # centroids against all C, and writes each picked centroid's draft ids at its rank.
@@ -453,13 +464,21 @@ if HAS_TRITON:
                         BLOCK_C, RANK_CHUNK, True, True,
                     )  # fmt: skip
                 chosen = maybe & (rank < K)
+                if PREFETCH:  # phase 3 then finds these rows in L2, past barrier 2
+                    lines = tl.arange(0, BLOCK_LINES)
+                    _prefetch_l2(
+                        w_ptr + own_ids[:, :, None].to(tl.int64) * stride_w
+                        + (lines * LINE)[None, None, :],
+                        (chosen[:, None] & (own_ids >= 0))[:, :, None]
+                        & (lines < ROW_LINES)[None, None, :],
+                    )  # fmt: skip
                 tl.store(
                     rows_ptr + t * K * TPC + rank[:, None] * TPC + offs_i[None, :],
                     own_ids,
                     mask=chosen[:, None] & i_ok[None, :],
                 )
         if PHASE == 0:
-            _grid_barrier(bar2_ptr + t, P, POLL_LOADS)
+            _grid_barrier(bar2_ptr + t, P)
         # Phase 3: this program's share of the K * TPC candidate rows; best (value, id).
         if PHASE == 0 or PHASE == 3:
             best_v = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -747,16 +766,16 @@ PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T g
 # program x C (rounded up to powers of two), has at most this many elements (real dims: P >= 64
 # programs per token); against chunks re-read from L2 otherwise.
 PERSISTENT_RANK_IN_REGISTERS = 65536
-PERSISTENT_POLL_LOADS = True  # the grid barriers wait on plain loads (see _grid_barrier)
+PERSISTENT_PREFETCH = True  # phase 2 prefetches the picked lm_head rows into L2
 SCORES_MAX_BLOCK_T = 64
 SCORES_DOT_BLOCK_C = 64
 SCORES_WARPS = 4
 SELECT_BLOCK_I = 64
 SELECT_WARPS = 8  # with C >= 2048 (4 below)
 SELECT_GROUPS_PER_K = 4  # the rank top-k's bound: the K-th largest of this many x K group maxima
-CENTROID_SPLIT = 1
+CENTROID_SPLIT = 2
 CENTROID_BLOCK_T = 16
-CENTROID_BLOCK_R = 128
+CENTROID_BLOCK_R = 64
 CENTROID_BLOCK_D = 64
 CENTROID_WARPS = 4
 # One program per picked centroid (from the list the rank top-k builds), rather than one per
@@ -894,9 +913,11 @@ def _compiled_programs_per_sm(kernel: object, limits: SmLimits) -> int:
     return resident
 
 
-def persistent_meta(progs: int, num_centroids: int, d: int, top_k: int, vocab: int) -> dict:
+def persistent_meta(
+    progs: int, num_centroids: int, d: int, top_k: int, vocab: int, elem_bytes: int = 2
+) -> dict:
     """The persistent kernel's constexprs (and ``num_warps``) for ``progs`` programs per
-    token, all but PHASE."""
+    token, all but PHASE; ``elem_bytes``: the lm_head's element size."""
     tpc = vocab // num_centroids
     block_c = triton.next_power_of_2(triton.cdiv(num_centroids, progs))
     rows = triton.cdiv(top_k * tpc, progs)
@@ -916,7 +937,10 @@ def persistent_meta(progs: int, num_centroids: int, d: int, top_k: int, vocab: i
         GROUPS=min(all_c, SELECT_GROUPS_PER_K * triton.next_power_of_2(top_k)),
         BLOCK_P=triton.next_power_of_2(progs),
         V=vocab,
-        POLL_LOADS=PERSISTENT_POLL_LOADS,
+        PREFETCH=PERSISTENT_PREFETCH and not _interpreting(),  # inline PTX: GPU only
+        ROW_LINES=triton.cdiv(d * elem_bytes, 128),
+        BLOCK_LINES=triton.next_power_of_2(triton.cdiv(d * elem_bytes, 128)),
+        LINE=128 // elem_bytes,
         num_warps=8 if block_r * block_d >= 16384 else 4,  # more rows in flight per program
     )
 
@@ -945,7 +969,7 @@ def _persistent_launch(
         c, d, k, vocab // c, hidden.stride(0), mask.centroids_weight.stride(0),
         lm_head_weight.stride(0),
     )  # fmt: skip
-    return args, persistent_meta(progs, c, d, k, vocab)
+    return args, persistent_meta(progs, c, d, k, vocab, lm_head_weight.element_size())
 
 
 # Programs per token of the persistent kernel, per (tokens, device, dtypes, shapes, strides).
