@@ -8,6 +8,7 @@ kernel ("persistent", up to T = 4). The H200 runs that chose the defaults:
 ``benchmarks/results/h200/centroid_sweep-*.log``.
 
     python benchmarks/centroid_argmax_sweep.py [--tokens 1,2,4,5,8,16,32,64,256] [--reps 200]
+        [--kinds path,select,scores,persistent]
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ ROWS: list[tuple[str, dict[str, int]]] = [
     ("select", dict(SELECT_BLOCK_I=64, SELECT_WARPS=8, SELECT_GROUPS_PER_K=4)),
     ("scores", dict(SCORES_DOT_BLOCK_C=64, SCORES_WARPS=4)),
     *[
-        ("persistent", dict(PERSISTENT_PREFETCH=f, PERSISTENT_RANK_IN_REGISTERS=g,
-                            PERSISTENT_PROGRAMS=p, PERSISTENT_BLOCK_R=r))
-        for f, g, p, r in [
-            (True, 65536, 128, 64), (False, 65536, 128, 64), (True, 0, 128, 64),
-            (True, 65536, 64, 64), (True, 65536, 128, 32),
+        ("persistent", dict(PERSISTENT_GROUPS_PER_K=g, PERSISTENT_RANK_IN_REGISTERS=i,
+                            PERSISTENT_WARPS=w, PERSISTENT_PROGRAMS=p))
+        for g, i, w, p in [
+            (4, 65536, 4, 128), (2, 65536, 4, 128), (1, 65536, 4, 128), (4, 65536, 8, 128),
+            (2, 65536, 8, 128), (4, 65536, 2, 128), (4, 0, 4, 128), (4, 65536, 4, 64),
         ]
     ],
 ]  # fmt: skip
@@ -53,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="1,2,4,5,8,16,32,64,256")
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--kinds", default="path,select,scores,persistent", help="rows to run")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -69,6 +71,8 @@ def main() -> None:
     defaults = {name: getattr(m, name) for _, row in ROWS for name in row}
     print(f"us per call at T = {tokens}; defaults {defaults}")
     for kind, row in ROWS:
+        if kind not in args.kinds.split(","):
+            continue
         for name, value in dict(defaults, **row).items():
             setattr(m, name, value)
         cells = []

@@ -56,7 +56,6 @@ def test_persistent_kernel_compiles_with_barriers(progs: int) -> None:
     compiled = _compile(m._persistent_kernel, dict(meta, PHASE=0), num_warps)
     ptx = compiled.asm["ptx"]
     assert ptx.count("release") >= 2 and ptx.count("acquire") >= 2
-    assert ("prefetch.global.L2" in ptx) == m.PERSISTENT_PREFETCH  # phase 2's row prefetch
     assert compiled.metadata.num_warps == num_warps
     assert isinstance(compiled.metadata.shared, int)
     assert m.programs_per_sm(0, compiled.metadata.shared, num_warps) >= 1

@@ -348,18 +348,6 @@ if HAS_TRITON:
         return acc
 
     @triton.jit
-    def _prefetch_l2(ptrs, mask):
-        """Asks L2 for the 128-byte lines at ``ptrs`` where ``mask``, without waiting."""
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-            "=r,l,r",
-            [ptrs, mask.to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )
-
-    @triton.jit
     def _grid_barrier(counter_ptr, expected):
         """Every program of a token arrives (release) then waits (acquire) for all of them.
         Only valid when all of them are resident at once (the launcher sizes the grid so).
@@ -406,10 +394,6 @@ if HAS_TRITON:
         GROUPS: tl.constexpr,  # a power of two >= K (and <= BLOCK_ALL_C)
         BLOCK_P: tl.constexpr,  # >= P
         V: tl.constexpr,
-        PREFETCH: tl.constexpr,  # phase 2 prefetches the picked rows into L2
-        ROW_LINES: tl.constexpr,  # 128-byte lines per lm_head row (for PREFETCH)
-        BLOCK_LINES: tl.constexpr,  # >= ROW_LINES, a power of two
-        LINE: tl.constexpr,  # elements per 128-byte line
         PHASE: tl.constexpr,  # 0: all three with grid barriers; 1, 2, 3: that phase alone
     ):
         t = tl.program_id(0)
@@ -464,14 +448,6 @@ if HAS_TRITON:
                         BLOCK_C, RANK_CHUNK, True, True,
                     )  # fmt: skip
                 chosen = maybe & (rank < K)
-                if PREFETCH:  # phase 3 then finds these rows in L2, past barrier 2
-                    lines = tl.arange(0, BLOCK_LINES)
-                    _prefetch_l2(
-                        w_ptr + own_ids[:, :, None].to(tl.int64) * stride_w
-                        + (lines * LINE)[None, None, :],
-                        (chosen[:, None] & (own_ids >= 0))[:, :, None]
-                        & (lines < ROW_LINES)[None, None, :],
-                    )  # fmt: skip
                 tl.store(
                     rows_ptr + t * K * TPC + rank[:, None] * TPC + offs_i[None, :],
                     own_ids,
@@ -766,7 +742,8 @@ PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T g
 # program x C (rounded up to powers of two), has at most this many elements (real dims: P >= 64
 # programs per token); against chunks re-read from L2 otherwise.
 PERSISTENT_RANK_IN_REGISTERS = 65536
-PERSISTENT_PREFETCH = True  # phase 2 prefetches the picked lm_head rows into L2
+PERSISTENT_WARPS = 4  # (at least 8 where a phase-3 step is >= 16384 elements)
+PERSISTENT_GROUPS_PER_K = 4  # phase 2's bound, as SELECT_GROUPS_PER_K is the rank top-k's
 SCORES_MAX_BLOCK_T = 64
 SCORES_DOT_BLOCK_C = 64
 SCORES_WARPS = 4
@@ -913,11 +890,9 @@ def _compiled_programs_per_sm(kernel: object, limits: SmLimits) -> int:
     return resident
 
 
-def persistent_meta(
-    progs: int, num_centroids: int, d: int, top_k: int, vocab: int, elem_bytes: int = 2
-) -> dict:
+def persistent_meta(progs: int, num_centroids: int, d: int, top_k: int, vocab: int) -> dict:
     """The persistent kernel's constexprs (and ``num_warps``) for ``progs`` programs per
-    token, all but PHASE; ``elem_bytes``: the lm_head's element size."""
+    token, all but PHASE."""
     tpc = vocab // num_centroids
     block_c = triton.next_power_of_2(triton.cdiv(num_centroids, progs))
     rows = triton.cdiv(top_k * tpc, progs)
@@ -934,14 +909,11 @@ def persistent_meta(
         RANK_CHUNK=max(16, min(all_c, 8192 // block_c)),
         RANK_IN_REGISTERS=block_c * all_c <= PERSISTENT_RANK_IN_REGISTERS,
         BLOCK_ALL_C=all_c,
-        GROUPS=min(all_c, SELECT_GROUPS_PER_K * triton.next_power_of_2(top_k)),
+        GROUPS=min(all_c, PERSISTENT_GROUPS_PER_K * triton.next_power_of_2(top_k)),
         BLOCK_P=triton.next_power_of_2(progs),
         V=vocab,
-        PREFETCH=PERSISTENT_PREFETCH and not _interpreting(),  # inline PTX: GPU only
-        ROW_LINES=triton.cdiv(d * elem_bytes, 128),
-        BLOCK_LINES=triton.next_power_of_2(triton.cdiv(d * elem_bytes, 128)),
-        LINE=128 // elem_bytes,
-        num_warps=8 if block_r * block_d >= 16384 else 4,  # more rows in flight per program
+        # more rows in flight per program where a step's tile is large
+        num_warps=max(8, PERSISTENT_WARPS) if block_r * block_d >= 16384 else PERSISTENT_WARPS,
     )
 
 
@@ -969,7 +941,7 @@ def _persistent_launch(
         c, d, k, vocab // c, hidden.stride(0), mask.centroids_weight.stride(0),
         lm_head_weight.stride(0),
     )  # fmt: skip
-    return args, persistent_meta(progs, c, d, k, vocab, lm_head_weight.element_size())
+    return args, persistent_meta(progs, c, d, k, vocab)
 
 
 # Programs per token of the persistent kernel, per (tokens, device, dtypes, shapes, strides).
