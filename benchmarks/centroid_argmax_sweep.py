@@ -42,8 +42,8 @@ ROWS: list[tuple[str, dict[str, int]]] = [
         ("persistent", dict(PERSISTENT_GROUPS_PER_K=g, PERSISTENT_RANK_IN_REGISTERS=i,
                             PERSISTENT_WARPS=w, PERSISTENT_PROGRAMS=p))
         for g, i, w, p in [
-            (4, 65536, 4, 128), (2, 65536, 4, 128), (1, 65536, 4, 128), (4, 65536, 8, 128),
-            (2, 65536, 8, 128), (4, 65536, 2, 128), (4, 0, 4, 128), (4, 65536, 4, 64),
+            (2, 65536, 8, 128), (4, 65536, 8, 128), (1, 65536, 8, 128), (2, 65536, 16, 128),
+            (4, 65536, 16, 128), (2, 65536, 4, 128), (2, 0, 8, 128), (2, 65536, 8, 64),
         ]
     ],
 ]  # fmt: skip

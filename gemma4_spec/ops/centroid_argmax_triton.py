@@ -742,8 +742,8 @@ PERSISTENT_BLOCK_R = 64  # rows per step of phase 3 (more bytes in flight as T g
 # program x C (rounded up to powers of two), has at most this many elements (real dims: P >= 64
 # programs per token); against chunks re-read from L2 otherwise.
 PERSISTENT_RANK_IN_REGISTERS = 65536
-PERSISTENT_WARPS = 4  # (at least 8 where a phase-3 step is >= 16384 elements)
-PERSISTENT_GROUPS_PER_K = 4  # phase 2's bound, as SELECT_GROUPS_PER_K is the rank top-k's
+PERSISTENT_WARPS = 8  # (at least 8 where a phase-3 step is >= 16384 elements)
+PERSISTENT_GROUPS_PER_K = 2  # phase 2's bound, as SELECT_GROUPS_PER_K is the rank top-k's
 SCORES_MAX_BLOCK_T = 64
 SCORES_DOT_BLOCK_C = 64
 SCORES_WARPS = 4
