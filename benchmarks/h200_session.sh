@@ -52,7 +52,7 @@ kernels)
         --reps 200 --json "$OUT/centroid_argmax.json" 2>&1 | tee "$OUT/centroid_argmax.log"
     [ -n "${SWEEP:-}" ] && timeout 90 python3 benchmarks/centroid_argmax_sweep.py --reps 100 \
         2>&1 | grep -v Warning | tee "$OUT/centroid_sweep.log"
-    timeout 200 python3 -m pytest -q tests/test_centroid_argmax_cuda.py tests/test_flat_queries.py \
+    timeout 300 python3 -m pytest -q tests/test_centroid_argmax_cuda.py tests/test_flat_queries.py \
         tests/test_draft_inputs.py tests/test_graphed_launch.py \
         > "$OUT/test_kernels_cuda.log" 2>&1
     echo "kernel tests rc=$?"; tail -3 "$OUT/test_kernels_cuda.log"
