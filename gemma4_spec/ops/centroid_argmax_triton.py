@@ -433,13 +433,13 @@ if HAS_TRITON:
             offs_all = tl.arange(0, BLOCK_ALL_C)
             all_ok = offs_all < C
             all_key = _score_keys(scores_ptr + t * C, offs_all, all_ok, ".cg")
-            bound = _kth_group_max(all_key, K, BLOCK_ALL_C, GROUPS)
             # Its own scores are read back too (issued with the load above), not taken from
             # phase 1's registers: that hung the kernel on the H200 at a tiny config (C = 32,
             # one centroid per program), likely by splitting the warps at the branch below,
             # whose reductions synchronise the whole program (it showed in the CUDA test
             # test_counters_reset_after_every_path, T=1).
             own_key = _score_keys(scores_ptr + t * C, offs_c, c_ok, ".cg")
+            bound = _kth_group_max(all_key, K, BLOCK_ALL_C, GROUPS)
             maybe = c_ok & (own_key >= bound)
             if tl.max(maybe.to(tl.int32), axis=0) > 0:
                 if RANK_IN_REGISTERS:
