@@ -29,12 +29,10 @@ from gemma4_spec.ops.centroid_argmax import CentroidMask  # noqa: E402
 # (kind, constants): kind is what is timed. The first row of a kind is the defaults.
 ROWS: list[tuple[str, dict[str, int]]] = [
     *[
-        ("path", dict(CENTROID_COMPACT=p, CENTROID_SPLIT=s, CENTROID_BLOCK_R=r,
-                      CENTROID_BLOCK_D=d, CENTROID_WARPS=w))
-        for p, s, r, d, w in [
-            (True, 2, 64, 64, 4), (True, 1, 128, 64, 4), (True, 2, 64, 64, 2),
-            (True, 4, 32, 64, 4), (True, 2, 64, 128, 4),
-        ]
+        ("path", dict(CENTROID_SPLIT=s, CENTROID_BLOCK_R=r, CENTROID_BLOCK_D=d,
+                      CENTROID_WARPS=w))
+        for s, r, d, w in [(2, 64, 64, 4), (1, 128, 64, 4), (2, 64, 64, 2), (4, 32, 64, 4),
+                           (2, 64, 128, 4)]
     ],
     ("select", dict(SELECT_BLOCK_I=64, SELECT_WARPS=8, SELECT_GROUPS_PER_K=4)),
     ("scores", dict(SCORES_DOT_BLOCK_C=64, SCORES_WARPS=4)),

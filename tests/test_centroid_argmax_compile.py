@@ -76,5 +76,5 @@ def test_centroid_path_kernels_compile() -> None:
         dict(SPLIT=m.CENTROID_SPLIT, ROWS=128 // m.CENTROID_SPLIT, BLOCK_T=m.CENTROID_BLOCK_T,
              BLOCK_R=min(m.CENTROID_BLOCK_R, 128 // m.CENTROID_SPLIT),
              BLOCK_D=m.CENTROID_BLOCK_D, BLOCK_P=triton.next_power_of_2(32 * m.CENTROID_SPLIT),
-             V=REAL_V, PRECISION="tf32", UPCAST=False, COMPACT=m.CENTROID_COMPACT),
+             V=REAL_V, PRECISION="tf32", UPCAST=False),
     )  # fmt: skip

@@ -8,7 +8,10 @@ launches with no host synchronisation (CUDA-graph capturable).
 Top-k by rank: centroid ``c`` is picked iff ``rank(c) < top_k``, where ``rank(c)`` counts the
 centroids with a larger score plus those with an equal score and a smaller index (scores
 compared as order-preserving int32 keys). Every centroid's rank is independent of the others',
-so the work spreads over many programs, and a picked centroid writes itself to ``sel[t, rank]``.
+so the work spreads over many programs, and a picked centroid writes itself at its rank. The
+top-k-th largest of G >= top_k group maxima bounds the top-k-th score from below, so only the
+scores at or above it (few, for real data) can be picked and need a rank. Candidate rows are
+read through ``draft_ids``: the token ids in centroid order, -1 for a suppressed token.
 
 * **small T** (``path="persistent"``, ``T < CENTROID_MIN_TOKENS``): one launch of
   ``_persistent_kernel``, grid ``(T, P)``, ``P`` a power of two from ``PERSISTENT_MIN_PROGRAMS``
@@ -18,61 +21,54 @@ so the work spreads over many programs, and a picked centroid writes itself to `
   and warps go through CUDA's occupancy rules, ``programs_per_sm``, capped by the driver's own
   occupancy answer; one per SM if they cannot be read). Three phases separated by per-token
   grid barriers (arrive with a releasing atomic, spin on an acquiring one): (1) each program
-  computes ``C / P`` fp32 centroid scores; (2) each reads the token's ``C`` scores once, takes
-  the group-maxima bound (as ``_select_rank_kernel`` does, below) and ranks its ``C / P``
-  centroids against all ``C`` only if one of them reaches it (few programs do); (3) each
-  scores its share of the ``top_k * V / C`` picked lm_head rows (through ``token_ordering``)
-  and keeps the best (value, smallest id); the last program to finish (a counter) reduces
-  the ``P`` partials, writes the token, and resets the barrier and finish counters to zero
-  (every program has passed both barriers by then) for the next call or graph replay. Under
-  Triton's CPU interpreter, which runs programs one after another, the kernel is launched
-  once per phase instead (the ``PHASE`` constexpr) with no barriers, unless ``P`` is 1 (a
-  barrier of one program opens at once). Fewer than ``PERSISTENT_MIN_PROGRAMS`` per token
-  resident: the next path.
+  computes ``C / P`` fp32 centroid scores, while the draft ids of those centroids load; (2)
+  each reads the token's ``C`` scores once, takes the bound (``2 * top_k`` groups) and, only if
+  one of its centroids reaches it (few programs), ranks them against all ``C`` scores held in
+  registers and writes each picked centroid's draft ids at its rank; (3) each scores its share
+  of the ``top_k * V / C`` picked rows (ids, then lm_head rows) and keeps the best (value,
+  smallest id); the last program to finish (a counter) reduces the ``P`` partials, writes the
+  token, and resets the barrier and finish counters to zero (every program has passed both
+  barriers by then) for the next call or graph replay. Under Triton's CPU interpreter, which
+  runs programs one after another, the kernel is launched once per phase instead (the
+  ``PHASE`` constexpr) with no barriers, unless ``P`` is 1 (a barrier of one program opens at
+  once). Fewer than ``PERSISTENT_MIN_PROGRAMS`` per token resident: the next path.
 * **larger T** (``path="centroid"``), three kernels:
   1. ``_scores_dot_kernel``, grid ``(T / BLOCK_T, C / BLOCK_C)``: fp32 scores by ``tl.dot``
      over token blocks, so the centroid weights are read once per token block, not per token.
-  2. ``_select_rank_kernel``, grid ``(T,)``: the ``top_k``-th largest of ``4 * top_k`` group
-     maxima bounds the ``top_k``-th score from below, so only the scores at or above it can be
-     picked; those (~36 of 2048 at real dims) are compacted and ranked among themselves.
-     Each pick is appended (atomic count) to its centroid's list ``picks[c]`` as
-     ``t * top_k + rank``.
-  3. ``_centroid_argmax_kernel``, grid ``(C, CENTROID_SPLIT)``: a program reads its part of
-     one centroid's ``V / C`` lm_head rows (nothing if no token picked it) and ``tl.dot``s
-     them with the hidden states of just the tokens in the centroid's list, 16 at a time, so
-     the lm_head traffic is the union of all tokens' picks (at most the whole lm_head once,
-     whatever T). Per (token, rank, split) partial maxima; the program bringing a token's
-     last partial reduces them.
+  2. ``_select_rank_kernel``, grid ``(T,)``: the candidates at or above the bound (``4 *
+     top_k`` groups; ~36 of 2048 scores at real dims) are compacted and ranked among
+     themselves. Each pick is appended (atomic count) to its centroid's list ``picks[c]`` as
+     ``t * top_k + rank``, and a centroid's first pick appends the centroid to the list of
+     picked centroids.
+  3. ``_centroid_argmax_kernel``, grid ``(min(C, T * top_k), CENTROID_SPLIT)``: program
+     ``(n, s)`` takes the n-th picked centroid (nothing past the list's end), reads its part
+     of that centroid's ``V / C`` lm_head rows once and ``tl.dot``s them with the hidden
+     states of just the tokens in the centroid's list, 16 at a time, so the lm_head traffic
+     is the union of all tokens' picks (at most the whole lm_head once, whatever T). The
+     first picks and row ids load before the pick count. Per (token, rank, split) partial
+     maxima; the program bringing a token's last partial reduces them.
 
 ``path="auto"`` takes the persistent kernel below ``CENTROID_MIN_TOKENS`` tokens (default 3,
 environment variable ``GEMMA4_SPEC_DENSE_MIN_TOKENS``, or the ``centroid_min_tokens``
 argument) when its grid fits the GPU, and the centroid-major path otherwise.
 
-H200 (``benchmarks/results/h200/centroid_argmax-0e5153e.json``), bf16, real E2B dims (V 262144,
-C 2048, top-k 32, d 256), CUDA graphs, cold L2, median us, persistent with its P / centroid
-path: T=1 18.4 (128) / 20.4, T=4 25.5 (128) / 21.7, T=5 28.0 (128) / 22.1, T=8 57.8 (16) / 23.5,
-T=16 78.2 (8) / 30.6; from T=32 P would be below ``PERSISTENT_MIN_PROGRAMS`` and the centroid
-path runs (T=32 38.9, T=64 51.6, T=256 70.5). vLLM's in-tree formula takes 51.1 to 998.4 over
-T=1..256, a full-vocab argmax 54.9 to 165.7. Hence the switch at 3 (T=2 and 3 not measured
-since): at T=3 the two tied before the rank top-k got its tighter bound (23a8190: persistent
-23.4, centroid 23.5), which took ~5 us off the centroid path alone (scores + rank top-k 16.5 ->
-11.4 at T=1, 21.9 -> 11.5 at T=16); at T=2 the centroid path was 5.5 behind (20.6 vs 26.1),
-about what the bound saved, so T=2 stays on the persistent kernel. The centroid path's block
-sizes and warps come from H200 sweeps (``benchmarks/centroid_argmax_sweep.py``,
-``centroid_sweep-f7fcc2d.log`` and ``centroid_sweep-0e5153e.log``): one program per picked
-centroid (no row split) and ranking in blocks of 64 candidates were 10-17% faster than two row
-splits and blocks of 128; more warps, wider or narrower hidden blocks, or four row splits were
-slower, and the bound's 4K groups about tie with 2K (8K: ~1 us slower). The persistent kernel as
-three launches without barriers (``phased``) took 18.7 at T=1 vs 18.3 in one launch (bbd1708):
-the grid barriers cost little, the time is in the phases themselves. The centroid path's scores
-kernel alone takes ~6.6 (a graph of one trivial kernel: ~5.0). The CUDA tests pass on the H200
-(234 passed, ``test_centroid_argmax_cuda-0e5153e.log``). Paths that never beat these two were
-removed: a radix top-k followed by a per-token gather-argmax or a per-token-block dense argmax;
-a top-k with ``C / 32`` programs per token (20.9 vs 20.6 at T=1, 50.9 vs 20.9 at T=16); and a
-sweep of the whole lm_head per 64-token block keeping every centroid's best (86c995a: 71.8 at
-T=1, 99.3 at T=64, 252.2 at T=256; a whole-lm_head read through the ordering alone costs more
-than the centroid path). Block sizes, programs per token and row splits are the module constants
-``PERSISTENT_*``, ``SCORES_*``, ``SELECT_*`` and ``CENTROID_*``.
+H200 (``benchmarks/results/h200/centroid_argmax-faa5724.json``), bf16, real E2B dims (V 262144,
+C 2048, top-k 32, d 256), CUDA graphs, cold L2, median us, auto: T=1 14.1 (persistent, P 128),
+T=2 17.1 (persistent; centroid path 19.6), T=3 19.6 (centroid; persistent 37.0 with P 32), T=4
+20.3, T=8 22.7, T=16 29.5, T=32 38.9, T=64 52.0, T=256 69.9. vLLM's in-tree formula takes 50.9
+to 999.1 over T=1..256, a full-vocab argmax 55.0 to 166.0, and the harness's floor (a graph of
+one trivial kernel) 5.0. The module constants come from H200 sweeps
+(``benchmarks/centroid_argmax_sweep.py``, ``centroid_sweep-*.log``; the results README says
+which run chose what): for the persistent kernel, 8 warps and ``2 * top_k`` groups (T=1 13.7
+vs 15.1 with 4 warps), ranking in registers rather than re-reading the scores (15.5 vs 16.5);
+for the centroid path, the grid over picked centroids (18.6 vs 23.2 at T=1 with one program per
+centroid, about even from T=64), two row splits of 64 rows (29.5 vs 30.6 at T=16), blocks of 64
+candidates in the rank top-k. Tried and dropped: polling the grid barriers with plain loads
+(16.0 vs 15.3 at T=1), prefetching the picked rows into L2 in phase 2 (16.6 vs 15.9), a radix
+top-k followed by a per-token gather-argmax or a per-token-block dense argmax, a top-k with
+``C / 32`` programs per token, and a sweep of the whole lm_head per 64-token block keeping
+every centroid's best (86c995a: 71.8 at T=1, 99.3 at T=64, 252.2 at T=256). The CUDA tests pass
+on the H200 (252 passed, ``test_kernels_cuda-faa5724.log``).
 
 Caveats: the persistent kernel's barriers assume all its programs are resident together; a
 kernel running concurrently on another stream that holds SMs until this one finishes could
@@ -117,8 +113,8 @@ except ImportError:  # pragma: no cover - CPU installs without triton
 # At or above this many tokens "auto" uses the centroid-major path, below it the persistent
 # kernel: that one reads top_k * V / C rows (2 MiB in bf16 at E2B dims) per token in one launch,
 # the centroid-major one each picked centroid's rows once for all tokens (the union of the
-# picks, at most the whole lm_head) in three. 3 from the H200 timings of 0e5153e (T = 1 / 4:
-# persistent 18.4 / 25.5 us with P = 128, centroid path 20.4 / 21.7; see the module docstring).
+# picks, at most the whole lm_head) in three. 3 from the H200 timings of faa5724 (T = 2 / 3:
+# persistent 17.2 / 37.0 us, centroid path 19.6 / 20.2; see the module docstring).
 # Tunable with GEMMA4_SPEC_DENSE_MIN_TOKENS (its name from when the larger-T path was "dense").
 CENTROID_MIN_TOKENS = int(os.environ.get("GEMMA4_SPEC_DENSE_MIN_TOKENS", "3"))
 
@@ -645,20 +641,15 @@ if HAS_TRITON:
         V: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
-        COMPACT: tl.constexpr,  # program i takes the i-th picked centroid, not centroid i
     ):
-        """Program (n, s) reads rows [s * ROWS, (s + 1) * ROWS) of centroid c once and scores
-        them for the tokens that picked c, BLOCK_T at a time; c is n (nothing to do if no
-        token picked it) or, with COMPACT, the n-th centroid of the picked list (nothing to do
-        past its end), so that no program slot goes to an unpicked centroid."""
+        """Program (n, s) reads rows [s * ROWS, (s + 1) * ROWS) of the n-th picked centroid c
+        once (nothing to do past the list's end) and scores them for the tokens that picked
+        c, BLOCK_T at a time. (One program per centroid, most with nothing to do, was slower
+        below T = 64: 23.2 vs 18.6 us at T=1, centroid_sweep-c1f50a1.log.)"""
         s = tl.program_id(1)
-        if COMPACT:
-            nth = tl.program_id(0)
-            listed = nth < tl.load(picked_ptr)
-            c = tl.where(listed, tl.load(picked_ptr + 1 + nth), 0)
-        else:
-            c = tl.program_id(0)
-            listed = c >= 0
+        nth = tl.program_id(0)
+        listed = nth < tl.load(picked_ptr)
+        c = tl.where(listed, tl.load(picked_ptr + 1 + nth), 0)
         # Issued before the pick count, to be in flight with it rather than after it: the first
         # BLOCK_T picks (entries past the count are stale and masked off below) and the draft
         # ids of the first row tile.
@@ -757,9 +748,6 @@ CENTROID_BLOCK_T = 16
 CENTROID_BLOCK_R = 64
 CENTROID_BLOCK_D = 64
 CENTROID_WARPS = 4
-# One program per picked centroid (from the list the rank top-k builds), rather than one per
-# centroid of which the unpicked ones exit at once.
-CENTROID_COMPACT = True
 
 
 def _check(mask: CentroidMask, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
@@ -1120,9 +1108,8 @@ def centroid_argmax_centroid_major(
     part_val = torch.empty(num_tokens, k * split, dtype=torch.float32, device=hidden.device)
     part_idx = torch.empty(num_tokens, k * split, dtype=torch.int32, device=hidden.device)
     precision, upcast = _dot_precision(hidden)
-    # With COMPACT, one program per centroid some token can have picked: at most T * K.
-    programs = min(c, num_tokens * k) if CENTROID_COMPACT else c
-    _centroid_argmax_kernel[(programs, split)](
+    # One program per centroid some token may have picked: at most T * K of them.
+    _centroid_argmax_kernel[(min(c, num_tokens * k), split)](
         hidden, lm_head_weight, state.draft_ids, ranked.count, ranked.picks, ranked.picked,
         part_val, part_idx, state.counters[_ROW_CENTROID], out,
         num_tokens, d, k, tpc, hidden.stride(0), lm_head_weight.stride(0),
@@ -1135,7 +1122,6 @@ def centroid_argmax_centroid_major(
         V=vocab,
         PRECISION=precision,
         UPCAST=upcast,
-        COMPACT=CENTROID_COMPACT,
         num_warps=CENTROID_WARPS,
     )  # fmt: skip
     return out
