@@ -147,10 +147,9 @@ class _Recorder(DraftLoopGraphs):
     def _backends_support_full_graphs(self) -> str | None:
         return None
 
-    def _capture(self, size, k, batch_size, metadata, per_layer, slot_mapping):  # type: ignore[no-untyped-def]
+    def _capture(self, size, k, metadata, per_layer, slot_mapping):  # type: ignore[no-untyped-def]
         self.events.append(f"capture {size}x{k}")
         self._graphs[(size, k)] = (None, torch.zeros(size, k, dtype=torch.int64))  # type: ignore[assignment]
-        return torch.zeros(batch_size, k, dtype=torch.int64)
 
     def _replay(self, graph, tokens, batch_size):  # type: ignore[no-untyped-def]
         self.events.append("replay")
@@ -173,59 +172,102 @@ def _draft(graphs: DraftLoopGraphs, batch: int, size: int, metadata: CommonAtten
     )
 
 
-def test_draft_stages_the_batch_into_fixed_buffers_then_captures_once() -> None:
+def _runner_tables(
+    capacity: int = 16, widths: tuple[int, int] = (4, 4)
+) -> tuple[torch.Tensor, ...]:
+    """The runner's block tables of KV cache groups 0 and 1 (filled: a capture must not read
+    them)."""
+    return tuple(
+        torch.arange(capacity * w, dtype=torch.int32).view(capacity, w) + 1 for w in widths
+    )
+
+
+def test_startup_captures_every_size_over_dummy_requests() -> None:
+    proposer = _FakeProposer({})
+    proposer.input_ids.fill_(7)
+    graphs = _Recorder(proposer)
+    graphs.capture_at_startup([2, 8, 4], 2, _runner_tables(widths=(4, 8)))
+    assert graphs.captured_at_startup
+    assert graphs.events == ["capture 8x2", "capture 4x2", "capture 2x2"]  # largest first
+    assert graphs.captured == [(2, 2), (4, 2), (8, 2)]
+    padded, tables = proposer.built[0]  # the 8-row capture's metadata
+    # Dummy requests: one key each, on the null block, writing no K/V.
+    assert padded.num_reqs == 8 and padded.num_actual_tokens == 8 and padded.max_query_len == 1
+    assert padded.query_start_loc.tolist() == list(range(9))
+    assert padded.seq_lens.tolist() == [1] * 8
+    assert padded.max_seq_len == 512
+    assert proposer.slot_buffer[:8].tolist() == [-1] * 8
+    assert not proposer.input_ids[:8].any() and proposer.input_ids[8] == 7
+    assert sorted(tables) == [0, 1]  # one table per KV cache group, however many layer groups
+    assert tables[0].shape == (8, 4) and tables[1].shape == (8, 8)
+    assert not tables[0].any() and not tables[1].any()
+    assert graphs._buffers is not None
+    assert padded.seq_lens.data_ptr() == graphs._buffers.seq_lens.data_ptr()
+    graphs.capture_at_startup([16], 2, _runner_tables(widths=(4, 8)))  # once per engine
+    assert graphs.captured == [(2, 2), (4, 2), (8, 2)]
+
+
+def test_draft_stages_the_batch_into_the_captured_buffers_and_replays() -> None:
     batch, size = 3, 8
     runner_tables = {1: torch.arange(40, dtype=torch.int32).view(5, 8) + 100}
     proposer = _FakeProposer(runner_tables)
     graphs = _Recorder(proposer)
+    graphs.capture_at_startup([size], 2, _runner_tables(widths=(4, 8)))
+    builds = len(proposer.built)
     metadata = _metadata(batch)
     metadata.block_table_tensor = torch.arange(5 * 4, dtype=torch.int32).view(5, 4) + 1
 
     assert _draft(graphs, batch, size, metadata) is not None
-    assert graphs.events == ["capture 8x2"]
-    padded, tables = proposer.built[-1]
-    # The batch, then padding rows: one key each, on the null block, writing no K/V.
-    assert padded.seq_lens.tolist() == [8, 8, 8, 1, 1, 1, 1, 1]  # 9 keys less 1 rejected
+    assert graphs.events == ["capture 8x2", "replay"]
+    # The Triton backend's metadata needs no rebuild before a replay.
+    assert graphs.rebuild_free and len(proposer.built) == builds
+    buffers = graphs._buffers
+    assert buffers is not None
+    # The batch, then padding rows: one key each, on the null block.
+    assert buffers.seq_lens[:size].tolist() == [8, 8, 8, 1, 1, 1, 1, 1]  # 9 keys less 1 rejected
     assert proposer.input_ids[:size].tolist() == [70, 71, 72, 0, 0, 0, 0, 0]
     assert proposer.positions[:size].tolist() == [102, 105, 108, 0, 0, 0, 0, 0]
     assert proposer.hidden_states[1].tolist() == [20.0, 21.0, 22.0, 23.0]  # target row 5
     assert not proposer.hidden_states[batch:size].any()
     assert proposer.input_ids[size] == -5  # nothing past the graph's rows
-    assert padded.num_reqs == size and padded.num_actual_tokens == size
-    assert padded.query_start_loc.tolist() == list(range(size + 1))
-    assert padded.max_seq_len == 512
-    assert proposer.slot_buffer[:size].tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
-    assert sorted(tables) == [0, 1]  # one table per KV cache group, however many layer groups
+    tables = buffers.tables
     assert tables[0][:batch].tolist() == metadata.block_table_tensor[:batch].tolist()
     assert tables[1][:batch].tolist() == runner_tables[1][:batch].tolist()
-    assert not tables[0][batch:].any() and not tables[1][batch:].any()
+    assert not tables[0][batch:size].any() and not tables[1][batch:size].any()
 
-    # A smaller batch in the same graph: restaged into the same memory and replayed; the
-    # Triton backend's metadata needs no rebuild.
-    builds = len(proposer.built)
+    # A smaller batch in the same graph: restaged into the same memory and replayed.
     assert _draft(graphs, 2, size, _metadata(2)) is not None
-    assert graphs.events == ["capture 8x2", "replay"] and len(proposer.built) == builds
-    assert graphs.rebuild_free and graphs.replays == 1
-    assert graphs._buffers is not None
-    assert graphs._buffers.seq_lens[:size].tolist() == [8, 8, 1, 1, 1, 1, 1, 1]
-    assert graphs._buffers.seq_lens.data_ptr() == padded.seq_lens.data_ptr()
-    for gid, table in zip((0, 1), graphs._buffers.tables, strict=True):
-        assert table.data_ptr() == tables[gid].data_ptr()
-    assert not graphs._buffers.tables[1][2:size].any()
+    assert graphs.events == ["capture 8x2", "replay", "replay"] and graphs.replays == 2
+    assert buffers.seq_lens[:size].tolist() == [8, 8, 1, 1, 1, 1, 1, 1]
+    assert not buffers.tables[1][2:size].any()
+
+
+def test_a_size_not_captured_at_startup_drafts_step_by_step() -> None:
+    # Nothing is captured in a request's path: a miss takes the step-by-step path.
+    proposer = _FakeProposer({})
+    graphs = _Recorder(proposer)
+    graphs.capture_at_startup([4], 2, _runner_tables())
+    assert _draft(graphs, 3, 8, _metadata(3)) is None
+    assert graphs.events == ["capture 4x2"] and graphs.misses == 1
+    assert _draft(graphs, 3, 4, _metadata(3)) is not None
 
 
 def test_other_backends_rebuild_the_metadata_before_each_replay() -> None:
     proposer = _FakeProposer({}, backend="FLASH_ATTN")
     graphs = _Recorder(proposer)
+    graphs.capture_at_startup([4], 2, _runner_tables())
+    builds = len(proposer.built)
     _draft(graphs, 2, 4, _metadata(2))
     _draft(graphs, 2, 4, _metadata(2))
-    assert graphs.events == ["capture 4x2", "replay"] and len(proposer.built) == 2
+    assert graphs.events == ["capture 4x2", "replay", "replay"]
+    assert len(proposer.built) == builds + 2
     assert not graphs.rebuild_free
 
 
 def test_draft_refuses_what_the_buffers_cannot_hold() -> None:
     proposer = _FakeProposer({}, capacity=4)
     graphs = _Recorder(proposer)
+    graphs.capture_at_startup([4], 2, _runner_tables(4))
     assert _draft(graphs, 3, 8, _metadata(3)) is None  # past the largest capture size
     assert _draft(graphs, 3, 4, _metadata(3)) is not None
     wider = _metadata(3)

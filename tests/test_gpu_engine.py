@@ -98,12 +98,16 @@ def test_v1_runner_our_proposer_and_graphed_sampling(runs, target: str) -> None:
 
 @pytest.mark.parametrize("target", ["tiny", "e2b"])
 def test_whole_draft_loop_replayed_from_a_graph(runs, target: str) -> None:  # type: ignore[no-untyped-def]
-    # The k steps with their attention and sampling, one graph per (padded batch, k): the
-    # equal-output test above ran through these replays.
+    # The k steps with their attention and sampling, one graph per (padded batch, k), all
+    # captured at engine start-up: the equal-output test above ran through these replays, and
+    # no batch (1 to 5 requests) found its size missing.
     ours = runs[f"{target}-ours"]
     assert ours.draft_loop_graphs_off is None
-    assert ours.draft_loop_graphs
-    assert all(k == 3 and size >= 1 for size, k in ours.draft_loop_graphs)
+    assert ours.draft_loop_captured_at_startup
+    sizes = [size for size, _ in ours.draft_loop_graphs]
+    assert min(sizes) == 1 and max(sizes) >= len(PROMPT_LENGTHS)
+    assert all(k == 3 for _, k in ours.draft_loop_graphs)
+    assert ours.draft_loop_misses == 0
     # Replays restage the inputs in one launch and, on TRITON_ATTN, rebuild no metadata.
     assert ours.draft_loop_replays > 0
     assert ours.draft_loop_rebuild_free

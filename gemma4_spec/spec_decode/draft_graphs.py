@@ -18,11 +18,13 @@ replay, as vLLM's runner does before replaying its own full graphs; backends who
 only refers to the tensors it is given (``compat.REBUILD_FREE_DRAFT_METADATA``) skip that host
 work. The slot mapping is never restaged: draft layers read the target's K/V and write none.
 
-A (size, k) is captured the first time it is drafted: that call runs the loop eagerly (its
-tokens are used) and then captures it. Used only for greedy drafting on CUDA, without data
+Every (size, k) the runner can draft through graphs is captured at engine start-up, when vLLM
+captures its own graphs (the proposer's ``dummy_run`` during the runner's capture), over dummy
+requests of one key on the null block: a request never waits for a capture. A batch whose size
+was not captured drafts step by step. Used only for greedy drafting on CUDA, without data
 parallelism, for batch sizes the runner has drafter graphs for, and when every draft attention
 backend supports full graphs for single-token decoding and builds its metadata over the
-buffers it is given (checked once per size); otherwise, or with
+buffers it is given (checked at capture); otherwise, or with
 ``GEMMA4_SPEC_FULL_DRAFT_GRAPHS=0``, the proposer drafts step by step as before. If a capture
 fails, the reason is logged and the step-by-step path is used from then on.
 """
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 FULL_DRAFT_GRAPHS_ENV = "GEMMA4_SPEC_FULL_DRAFT_GRAPHS"
+PADDING_SLOT = -1  # vLLM's slot id for tokens that write no K/V
 
 
 def loop_graph_size(batch_size: int, runner_size: int) -> int:
@@ -80,6 +83,8 @@ class DraftLoopGraphs:
         self._backends_checked = False
         self.rebuild_free = False  # replays skip the metadata rebuild (see compat)
         self.replays = 0
+        self.misses = 0  # batches drafted step by step because their size has no graph
+        self.captured_at_startup = False
         self.disabled: str | None = self._unsupported_reason()
         if self.disabled is not None:
             logger.info("gemma4_spec: draft steps run one by one (%s).", self.disabled)
@@ -126,20 +131,12 @@ class DraftLoopGraphs:
         num_rejected_tokens: torch.Tensor | None,
     ) -> torch.Tensor | None:
         """Draft tokens ``[batch_size, k]`` from the graph of ``size`` rows (the padded batch
-        size the runner has drafter graphs for; capturing it on first use), or None when this
-        batch must take the step-by-step path. Arguments as the proposer's ``propose`` gets
+        size the runner has drafter graphs for, captured at start-up), or None when this batch
+        must take the step-by-step path. Arguments as the proposer's ``propose`` gets
         them: the target step's metadata and tensors, each request's last accepted row
         (``token_indices``) and its rejected tokens."""
-        if self.disabled is not None:
+        if self.disabled is not None or not self._ready():
             return None
-        if not self._backends_checked:  # first use: the attention backends are known by now
-            self._backends_checked = True
-            reason = self._backends_support_full_graphs()
-            if reason is not None:
-                self._disable(reason)
-                return None
-            names = {group.backend.get_name() for group in self._p.draft_attn_groups}
-            self.rebuild_free = draft_metadata_rebuild_free(names)
         p = self._p
         with scope("gemma4_spec: draft graph inputs"):
             sources = DraftStepSources(
@@ -149,21 +146,82 @@ class DraftLoopGraphs:
                 rows=token_indices,
                 seq_lens=common_metadata.seq_lens,
                 rejected=num_rejected_tokens,
-                tables=tuple(p.block_table_of(gid, common_metadata) for gid in self._group_ids()),
+                tables=tuple(p.block_table_of(gid, common_metadata) for gid in self.group_ids()),
             )
-            buffers = self._buffers_for(sources, size)
-            if buffers is None:
+            buffers = self._buffers_for(sources.tables, size)
+            hit = self._graphs.get((size, k))
+            if buffers is None or hit is None:
+                self.misses += 1
                 return None
             stage_draft_inputs(sources, buffers, batch_size, size, self.staging)
-        hit = self._graphs.get((size, k))
-        if hit is not None and self.rebuild_free:
-            return self._replay(*hit, batch_size)
-        metadata = p._one_query_per_request(common_metadata, token_indices, num_rejected_tokens)
-        with scope("gemma4_spec: draft graph inputs"):
-            per_layer, slot_mapping = self._metadata(metadata, batch_size, size)
-        if hit is not None:
-            return self._replay(*hit, batch_size)
-        return self._capture(size, k, batch_size, metadata, per_layer, slot_mapping)
+        if not self.rebuild_free:
+            metadata = p._one_query_per_request(common_metadata, token_indices, num_rejected_tokens)
+            with scope("gemma4_spec: draft graph inputs"):
+                self._metadata(metadata, batch_size, size)
+        return self._replay(*hit, batch_size)
+
+    def capture_at_startup(
+        self, sizes: list[int], k: int, tables: tuple[torch.Tensor, ...]
+    ) -> None:
+        """Capture the loop of ``k`` steps for each of ``sizes`` rows, largest first (smaller
+        graphs then reuse the pool's memory), over dummy requests: one key each, on the null
+        block. ``tables`` are the runner's block tables of the draft's KV cache groups (the
+        buffers take their widths). Runs once, while vLLM captures its graphs; later calls do
+        nothing."""
+        if self.captured_at_startup:
+            return
+        self.captured_at_startup = True
+        if self.disabled is not None or not self._ready():
+            return
+        buffers = self._buffers_for(tables, max(sizes, default=0))
+        if buffers is None:
+            self._disable("the draft batch sizes exceed vLLM's largest capture size")
+            return
+        p = self._p
+        for size in sorted(sizes, reverse=True):
+            if (size, k) in self._graphs:
+                continue
+            # Dummy requests, as the staging writes padding rows.
+            p.input_ids[:size].zero_()
+            p.positions[:size].zero_()
+            p.hidden_states[:size].zero_()
+            buffers.seq_lens[:size].fill_(1)
+            for table in buffers.tables:
+                table[:size].zero_()
+            metadata = CommonAttentionMetadata(
+                query_start_loc=p.arange[: size + 1],
+                query_start_loc_cpu=torch.from_numpy(p.token_arange_np[: size + 1]).clone(),
+                seq_lens=buffers.seq_lens[:size],
+                num_reqs=size,
+                num_actual_tokens=size,
+                max_query_len=1,
+                max_seq_len=1,
+                block_table_tensor=buffers.tables[0][:size],
+                slot_mapping=torch.full((size,), PADDING_SLOT, dtype=torch.int64, device=p.device),
+            )
+            per_layer, slot_mapping = self._metadata(metadata, size, size)
+            self._capture(size, k, metadata, per_layer, slot_mapping)
+            if self.disabled is not None:
+                return
+        logger.info(
+            "gemma4_spec: captured the whole greedy draft loop (%d steps) in CUDA graphs for "
+            "%s requests",
+            k,
+            ", ".join(str(size) for size, _ in self.captured),
+        )
+
+    def _ready(self) -> bool:
+        """Whether the draft attention backends allow the graphs (checked once, when they are
+        known: at the first capture or draft)."""
+        if not self._backends_checked:
+            self._backends_checked = True
+            reason = self._backends_support_full_graphs()
+            if reason is not None:
+                self._disable(reason)
+                return False
+            names = {group.backend.get_name() for group in self._p.draft_attn_groups}
+            self.rebuild_free = draft_metadata_rebuild_free(names)
+        return self.disabled is None
 
     def _replay(
         self, graph: torch.cuda.CUDAGraph, tokens: torch.Tensor, batch_size: int
@@ -175,16 +233,17 @@ class DraftLoopGraphs:
 
     # ----------------------------------------------------------------------------------------
 
-    def _group_ids(self) -> tuple[int, ...]:
+    def group_ids(self) -> tuple[int, ...]:
+        """The KV cache groups the draft layers read, ascending: one block-table buffer each."""
         if not self._gids:
             self._gids = tuple(
                 sorted({group.kv_cache_group_id for group in self._p.draft_attn_groups})
             )
         return self._gids
 
-    def _buffers_for(self, sources: DraftStepSources, size: int) -> DraftStepBuffers | None:
-        """The graphs' fixed input buffers (made at the first call), or None if this batch does
-        not fit them."""
+    def _buffers_for(self, tables: tuple[torch.Tensor, ...], size: int) -> DraftStepBuffers | None:
+        """The graphs' fixed input buffers (made at the first call, with the widths of the
+        runner's block ``tables``), or None if ``size`` rows or these tables do not fit them."""
         p = self._p
         if self._buffers is None:
             capacity = p.vllm_config.compilation_config.max_cudagraph_capture_size
@@ -195,13 +254,13 @@ class DraftLoopGraphs:
                 seq_lens=torch.ones(capacity, dtype=torch.int32, device=p.device),
                 tables=tuple(
                     torch.zeros(capacity, t.shape[1], dtype=t.dtype, device=p.device)
-                    for t in sources.tables
+                    for t in tables
                 ),
             )
         buffers = self._buffers
         if size > buffers.seq_lens.shape[0]:  # the drafter's sizes stay within vLLM's maximum
             return None
-        for gid, table, source in zip(self._gids, buffers.tables, sources.tables, strict=True):
+        for gid, table, source in zip(self.group_ids(), buffers.tables, tables, strict=True):
             if table.shape[1] != source.shape[1] or table.dtype != source.dtype:
                 self._disable(f"block table width of KV cache group {gid} changed")
                 return None
@@ -255,20 +314,19 @@ class DraftLoopGraphs:
         self,
         size: int,
         k: int,
-        batch_size: int,
         metadata: CommonAttentionMetadata,
         per_layer: dict[str, object],
         slot_mapping: dict[str, torch.Tensor],
-    ) -> torch.Tensor:
+    ) -> None:
         p = self._p
         tokens = torch.zeros(size, k, dtype=torch.int64, device=p.device)
-        self._loop(size, k, per_layer, slot_mapping, tokens)  # this call's drafts, eagerly
-        drafted = tokens[:batch_size].clone()
-        rebuilt = self._metadata(metadata, batch_size, size)
+        # Once eagerly first: kernels compile and per-weight state is built outside the capture.
+        self._loop(size, k, per_layer, slot_mapping, tokens)
+        rebuilt = self._metadata(metadata, size, size)
         moved = _moved_tensors(per_layer, rebuilt[0], p.device.type)
         if moved:
             self._disable(f"attention metadata built in fresh memory each step ({moved})")
-            return drafted
+            return
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -278,17 +336,9 @@ class DraftLoopGraphs:
                 self._loop(size, k, rebuilt[0], rebuilt[1], tokens)
         except Exception as exc:  # keep serving: the step-by-step path computes the same
             self._disable(f"capture of {size} x {k} failed: {type(exc).__name__}: {exc}")
-            return drafted
-        first = not self._graphs
+            return
         self._graphs[(size, k)] = (graph, tokens)
-        # Once at INFO (vLLM logs its own captures there), every further size at DEBUG.
-        (logger.info if first else logger.debug)(
-            "gemma4_spec: captured the whole greedy draft loop in a CUDA graph for %d requests "
-            "x %d steps (each batch size is captured the first time it is drafted)",
-            size,
-            k,
-        )
-        return drafted
+        logger.debug("gemma4_spec: captured the draft loop for %d requests x %d steps", size, k)
 
 
 def _pad_common_metadata(

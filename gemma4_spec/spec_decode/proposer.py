@@ -73,7 +73,7 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         self._block_tables: dict[int, torch.Tensor] = {}
         # Greedy sampling from CUDA graphs, captured with the runner's drafter graphs.
         self.sampler: GraphedGreedySampler | None = None
-        # Whole greedy draft loops from CUDA graphs (made at the first propose).
+        # Whole greedy draft loops from CUDA graphs (captured with the runner's graphs).
         self.loop_graphs: DraftLoopGraphs | None = None
         # The runner's verification index arrays, built in one transfer (the runner asks it
         # through patch/patch_gpu_model_runner.py; None: vLLM builds them).
@@ -297,6 +297,26 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
             self._draft_step(None, num_input_tokens, tokens_across_dp, mode, slot_mapping)
         if is_graph_capturing and mode != CUDAGraphMode.NONE:
             self._capture_sampler(num_input_tokens)
+            self._capture_draft_loops()
+
+    def _capture_draft_loops(self) -> None:
+        """Capture the whole greedy draft loop for every batch size the runner drafts through
+        graphs, once, while vLLM captures its own graphs: no request waits for a capture."""
+        if self.loop_graphs is None:
+            self.loop_graphs = DraftLoopGraphs(self)
+        graphs = self.loop_graphs
+        if graphs.captured_at_startup or graphs.disabled is not None:
+            return  # dummy_run comes once per vLLM capture size
+        sizes: set[int] = set()
+        for batch_size in range(1, self.max_batch_size + 1):
+            mode, padded, across_dp = self._determine_batch_execution_and_padding(batch_size)
+            if mode != CUDAGraphMode.NONE and across_dp is None:
+                sizes.add(loop_graph_size(batch_size, padded))
+        block_tables = self._runner.input_batch.block_table
+        tables = tuple(
+            block_tables[gid].get_device_tensor(self.max_batch_size) for gid in graphs.group_ids()
+        )
+        graphs.capture_at_startup(sorted(sizes), self.num_speculative_tokens, tables)
 
     def _draft_step(
         self,

@@ -64,9 +64,12 @@ class RunResult:
     # drafted step by step instead (None if it did not).
     draft_loop_graphs: list[tuple[int, int]] = field(default_factory=list)
     draft_loop_graphs_off: str | None = None
-    # How many draft loops were replayed, and whether replays skipped rebuilding the draft
-    # attention metadata (compat.REBUILD_FREE_DRAFT_METADATA).
+    # Whether those graphs were captured at engine start-up; how many draft loops were replayed,
+    # how many batches found no graph of their size (drafted step by step), and whether replays
+    # skipped rebuilding the draft attention metadata (compat.REBUILD_FREE_DRAFT_METADATA).
+    draft_loop_captured_at_startup: bool = False
     draft_loop_replays: int = 0
+    draft_loop_misses: int = 0
     draft_loop_rebuild_free: bool = False
     # Target attention builds whose verification batch ran as one-token sequences
     # (patch/patch_triton_attn.py), summed over the runner's attention builders.
@@ -192,7 +195,9 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "sampler_graph_sizes": list(getattr(sampler, "captured_sizes", [])),
         "draft_loop_graphs": [] if loops is None else loops.captured,
         "draft_loop_graphs_off": None if loops is None else loops.disabled,
+        "draft_loop_captured_at_startup": loops is not None and loops.captured_at_startup,
         "draft_loop_replays": 0 if loops is None else loops.replays,
+        "draft_loop_misses": 0 if loops is None else loops.misses,
         "draft_loop_rebuild_free": False if loops is None else loops.rebuild_free,
         "flat_verify_rewrites": sum(rewrites_of(builder) for builder in builders),
         "flat_verify_graph_replays": sum(flatten_replays_of(builder) for builder in builders),
