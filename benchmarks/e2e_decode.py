@@ -47,10 +47,9 @@ ENGINE = dict(
 )
 
 
-def engine_kwargs(workdir: str, spec_tokens: int, local_argmax: bool = False) -> dict[str, Any]:
+def engine_kwargs(workdir: str, spec_tokens: int) -> dict[str, Any]:
     """``LLM(...)`` arguments for the pair in ``workdir``: plain decoding for 0 speculative
-    tokens, gemma4_mtp with that many otherwise (``local_argmax``: Model Runner V2's speculator
-    drafts greedily through the draft model's ``get_top_tokens``)."""
+    tokens, gemma4_mtp with that many otherwise."""
     kwargs: dict[str, Any] = dict(ENGINE, model=str(Path(workdir) / "target"))
     if spec_tokens:
         kwargs["speculative_config"] = {
@@ -58,8 +57,6 @@ def engine_kwargs(workdir: str, spec_tokens: int, local_argmax: bool = False) ->
             "model": str(Path(workdir) / "assistant"),
             "num_speculative_tokens": spec_tokens,
         }
-        if local_argmax:
-            kwargs["speculative_config"]["use_local_argmax_reduction"] = True
     return kwargs
 
 
@@ -92,10 +89,9 @@ def configurations(ks: list[int], v2_experiment: bool = False) -> dict[str, dict
     }
     if v2_experiment:  # not run unless asked: an engine that fails to start stops the run
         for k in ks:
-            configs[f"ours k={k} (V2 speculator, experimental)"] = {
-                "env": {"GEMMA4_SPEC_EXPERIMENTAL_V2": "1"},
+            configs[f"ours k={k} (V2)"] = {
+                "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"},
                 "k": k,
-                "local_argmax": True,
             }
     return configs
 
@@ -111,7 +107,7 @@ def _worker(args: argparse.Namespace) -> None:
     from gemma4_spec.metrics import Acceptance, spec_metrics
 
     control = Path(args.control)
-    llm = LLM(**engine_kwargs(args.workdir, args.spec_tokens, args.local_argmax))
+    llm = LLM(**engine_kwargs(args.workdir, args.spec_tokens))
     if args.scopes:
         sys.path.insert(0, str(Path(__file__).parent))
         import host_scopes
@@ -221,11 +217,10 @@ def main() -> int:
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--spec-tokens", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--local-argmax", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--v2-experiment",
         action="store_true",
-        help="also run ours on Model Runner V2 (GEMMA4_SPEC_EXPERIMENTAL_V2; experimental)",
+        help="also run ours on Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1)",
     )
     args, _ = parser.parse_known_args()
     if args.table:
@@ -264,7 +259,6 @@ def main() -> int:
                "--batch", args.batch, "--spec-tokens", str(config["k"]), "--rounds",
                str(args.rounds), "--start-timeout", str(args.start_timeout)]  # fmt: skip
         cmd += ["--scopes"] * args.scopes
-        cmd += ["--local-argmax"] * bool(config.get("local_argmax"))
         procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
 
     deadline = time.monotonic() + args.start_timeout

@@ -31,7 +31,6 @@ def check_gemma4_mtp_request(spec_config: Any) -> None:
     """Raise a clear error if this vLLM, the target or the assistant cannot run gemma4_mtp."""
     check_vllm_version()
     _check_parallelism(spec_config)
-    check_model_runner()
     draft = spec_config.draft_model_config
     target = spec_config.target_model_config
     if draft is None or target is None:
@@ -64,20 +63,6 @@ def _check_parallelism(spec_config: Any) -> None:
             f"(pipeline_parallel_size={stages}): the assistant needs the target's input "
             "embedding and its K/V caches on the last stage. Use tensor parallelism instead "
             "(--tensor-parallel-size) with pipeline_parallel_size=1."
-        )
-
-
-def check_model_runner() -> None:
-    """Our proposer runs on vLLM's V1 model runner; an explicit request for V2 cannot use it
-    (unless the experimental V2 path is asked for: ``patch_vllm_config.experimental_v2``)."""
-    from gemma4_spec.patch.patch_vllm_config import experimental_v2, explicit_runner_choice
-
-    if explicit_runner_choice() and not experimental_v2():
-        raise UnsupportedConfigurationError(
-            "VLLM_USE_V2_MODEL_RUNNER=1 is set, but gemma4-spec's gemma4_mtp proposer runs on "
-            "vLLM's V1 model runner. Unset VLLM_USE_V2_MODEL_RUNNER (the plugin then selects V1 "
-            "for gemma4_mtp), or run vLLM's in-tree gemma4_mtp on V2 by disabling this plugin "
-            "(VLLM_PLUGINS set to a list without gemma4_spec)."
         )
 
 

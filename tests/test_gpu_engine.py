@@ -30,6 +30,7 @@ pytestmark = [
 ]
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
+OUR_MODEL = "gemma4_spec.models.gemma4_mtp.Gemma4AssistantForDrafting"
 # TRITON_ATTN runs on every CUDA GPU vLLM supports (vLLM's own pick on an H200 may need extra
 # packages); a fixed KV budget skips memory profiling.
 GPU_ENGINE = {"attention_config": {"backend": "TRITON_ATTN"}, "kv_cache_memory_bytes": 1 << 30}
@@ -37,23 +38,25 @@ PROMPT_LENGTHS = (3, 9, 21, 40, 70)
 MAX_TOKENS = 48
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):  # type: ignore[no-untyped-def]
-    # All engines of the one process on the V1 runner (ours selects it; the plain runs are told
-    # to): vLLM 0.26 keeps process-global CUDA-graph state that a V1 engine leaves unfit for a
-    # later V2 engine in the same process ("CUDA graph capturing detected at an inappropriate
-    # time"). Greedy float32 output does not depend on the runner.
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    root = tmp_path_factory.mktemp("gpu")
+def _pairs(root):  # type: ignore[no-untyped-def]
     target, assistant = build_tiny_pair(root, centroids=True, style="copy")
     e2b = build_tiny_e2b_like_target(root / "e2b", multimodal=False)
     add_missing_k_norms(e2b)  # vLLM 0.26 wants one on the KV-shared layers too
     e2b_assistant = build_tiny_assistant(root / "e2b-assistant", e2b, centroids=True)
+    return (("tiny", target, assistant), ("e2b", e2b, e2b_assistant))
+
+
+def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
+    """Plain and ours for each pair, every engine on one model runner ("0": V1, "1": V2): vLLM
+    0.26 keeps process-global CUDA-graph state that a V1 engine leaves unfit for a later V2
+    engine in the same process ("CUDA graph capturing detected at an inappropriate time"), so
+    each runner gets its own process. Greedy float32 output does not depend on the runner."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
     configs = {}
-    for name, tgt, drafter in (("tiny", target, assistant), ("e2b", e2b, e2b_assistant)):
+    for name, tgt, drafter in _pairs(root):
         common = dict(
             target=str(tgt),
             prompts=prompts,
@@ -70,6 +73,30 @@ def runs(tmp_path_factory):  # type: ignore[no-untyped-def]
     finally:
         mp.undo()
     return dict(zip(configs, results, strict=True))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):  # type: ignore[no-untyped-def]
+    return _run_on("0", tmp_path_factory.mktemp("gpu-v1"))
+
+
+@pytest.fixture(scope="module")
+def v2_runs(tmp_path_factory):  # type: ignore[no-untyped-def]
+    return _run_on("1", tmp_path_factory.mktemp("gpu-v2"))
+
+
+@pytest.mark.parametrize("target", ["tiny", "e2b"])
+def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) -> None:  # type: ignore[no-untyped-def]
+    # Model Runner V2: vLLM's Gemma4 speculator runs our assistant model, greedy drafts through
+    # its get_top_tokens (the centroid argmax), and the output is plain decoding's.
+    plain, ours = v2_runs[f"{target}-plain"], v2_runs[f"{target}-ours"]
+    assert ours.runner_class != V1_RUNNER
+    assert ours.drafter_class is not None and "Gemma4Speculator" in ours.drafter_class
+    assert ours.draft_model_class == OUR_MODEL
+    assert ours.token_ids == plain.token_ids
+    metrics = ours.spec_metrics
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("target", ["tiny", "e2b"])

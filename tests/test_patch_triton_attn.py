@@ -156,13 +156,10 @@ def test_disabled_by_environment(vllm_026: None, monkeypatch: pytest.MonkeyPatch
     assert patch_triton_attn._make_flat_verify(_builder()) is None
 
 
-def test_disabled_on_the_experimental_v2_path(
-    vllm_026: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from gemma4_spec.patch.patch_vllm_config import EXPERIMENTAL_V2_ENV
-
-    monkeypatch.setenv(EXPERIMENTAL_V2_ENV, "1")
-    assert patch_triton_attn._make_flat_verify(_builder()) is None
+def test_disabled_on_model_runner_v2(vllm_026: None) -> None:
+    assert patch_triton_attn._make_flat_verify(_builder()) is not None
+    builder = _builder(**{"vllm_config.use_v2_model_runner": True})
+    assert patch_triton_attn._make_flat_verify(builder) is None
 
 
 def test_disabled_on_untested_vllm_versions() -> None:

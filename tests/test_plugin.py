@@ -289,7 +289,8 @@ def _patched_config_module() -> ModuleType:
         ("eagle", None, True, True),  # other methods keep vLLM's choice
         (None, None, True, True),
         (None, None, False, False),
-        ("gemma4_mtp", "1", False, True),  # explicit choice stands (the checks reject it)
+        ("gemma4_mtp", "1", False, True),  # an explicit choice stands: both are supported
+        ("gemma4_mtp", "0", False, False),
     ],
 )
 def test_gemma4_mtp_selects_the_v1_runner(
@@ -320,27 +321,34 @@ def test_real_vllm_config_is_patched_in_engine_processes() -> None:
     assert result is True
 
 
-def test_explicit_v2_runner_is_rejected_before_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gemma4_spec.checks import UnsupportedConfigurationError, check_model_runner
-
-    monkeypatch.delenv(patch_vllm_config.EXPERIMENTAL_V2_ENV, raising=False)
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    with pytest.raises(UnsupportedConfigurationError, match="VLLM_USE_V2_MODEL_RUNNER"):
-        check_model_runner()
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    check_model_runner()
-
-
-def test_experimental_v2_leaves_vllms_runner_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gemma4_spec.checks import check_model_runner
-
-    monkeypatch.setenv(patch_vllm_config.EXPERIMENTAL_V2_ENV, "1")
+@pytest.mark.parametrize("default", ["V1", "V2"])
+def test_the_default_runner_applies_only_where_vllm_would_pick_v2(
+    monkeypatch: pytest.MonkeyPatch, default: str
+) -> None:
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.setattr(patch_vllm_config, "DEFAULT_RUNNER", default)
     module = _patched_config_module()
-    assert module.VllmConfig("gemma4_mtp", True).use_v2_model_runner is True
+    assert module.VllmConfig("gemma4_mtp", True).use_v2_model_runner is (default == "V2")
+    # Where vLLM picks V1 (the CPU runner, older models) gemma4_mtp stays there.
     assert module.VllmConfig("gemma4_mtp", False).use_v2_model_runner is False
-    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-    check_model_runner()  # asked for, so not rejected
+
+
+@pytest.mark.parametrize(
+    ("method", "has_field", "expected"),
+    [("greedy", True, True), ("probabilistic", True, False), ("greedy", False, None)],
+)
+def test_greedy_drafting_on_v2_goes_through_our_argmax(
+    method: str, has_field: bool, expected: bool | None
+) -> None:
+    from types import SimpleNamespace
+
+    from gemma4_spec.patch.patch_engine_args import draft_with_our_argmax
+
+    spec = SimpleNamespace(draft_sample_method=method)
+    if has_field:
+        spec.use_local_argmax_reduction = False
+    draft_with_our_argmax(spec)
+    assert getattr(spec, "use_local_argmax_reduction", None) is expected
 
 
 # --- compat: the one API difference between vLLM 0.26 and 0.32 that we meet -----------------

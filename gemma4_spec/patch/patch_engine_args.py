@@ -5,7 +5,8 @@ config in the front-end process. When the request is for Gemma 4 MTP, the wrappe
 vLLM version and the target/assistant pair (sizes, KV shapes, vocab, centroids,
 ``token_ordering``) and raises one clear error instead of a failure deep inside a worker. If
 vLLM's own ``SpeculativeConfig`` rejects a gemma4_mtp request first (e.g. the draft is not an
-assistant), the same checks explain why, chained to vLLM's error.
+assistant), the same checks explain why, chained to vLLM's error. A checked request drafts
+greedily through our centroid argmax on Model Runner V2 too (``draft_with_our_argmax``).
 vLLM versions: any (the version check itself must run on unsupported versions).
 """
 
@@ -50,6 +51,7 @@ def apply(arg_utils: ModuleType) -> None:
             from gemma4_spec.checks import check_gemma4_mtp_request
 
             check_gemma4_mtp_request(spec_config)
+            draft_with_our_argmax(spec_config)
         return spec_config
 
     engine_args.create_speculative_config = ours(create_speculative_config)
@@ -59,3 +61,13 @@ def _requests_gemma4_mtp(engine_args: Any) -> bool:
     spec = engine_args.speculative_config
     method = spec.get("method") if isinstance(spec, dict) else None
     return "gemma4_mtp" in (method, getattr(engine_args, "spec_method", None))
+
+
+def draft_with_our_argmax(spec_config: Any) -> None:
+    """Greedy drafting on Model Runner V2 through the assistant's ``get_top_tokens`` (our
+    centroid argmax) instead of full-vocabulary logits: vLLM's ``use_local_argmax_reduction``,
+    which excludes probabilistic drafting. The V1 proposer uses ``get_top_tokens`` anyway."""
+    if getattr(spec_config, "draft_sample_method", "greedy") == "probabilistic":
+        return
+    if hasattr(spec_config, "use_local_argmax_reduction"):
+        spec_config.use_local_argmax_reduction = True

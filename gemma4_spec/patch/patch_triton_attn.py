@@ -37,7 +37,7 @@ from gemma4_spec.compat import flat_verify_supported
 from gemma4_spec.log import get_logger
 from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries
 from gemma4_spec.patch.hooks import is_ours, ours
-from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp, experimental_v2
+from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
 from gemma4_spec.switches import turned_off
 
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
@@ -145,7 +145,7 @@ def _make_flat_verify(builder: Any) -> FlatVerify | None:
         or builder.device.type != "cuda"
         or spec is None
         or not drafts_with_gemma4_mtp(config)  # vLLM renames the method "mtp"
-        or experimental_v2()  # Model Runner V2 captures and replays its own way: untested
+        or getattr(config, "use_v2_model_runner", False)  # V2 captures its own way: untested
         or not flat_verify_supported()
         or config.compilation_config.cudagraph_mode.mixed_mode() == CUDAGraphMode.FULL
         or getattr(parallel, "decode_context_parallel_size", 1) > 1

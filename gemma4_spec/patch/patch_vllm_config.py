@@ -1,19 +1,16 @@
-"""Run gemma4_mtp on vLLM's V1 model runner, where our proposer lives.
+"""Pick the model runner gemma4_mtp runs on.
 
-Wraps: the property ``vllm.config.vllm.VllmConfig.use_v2_model_runner``. From vLLM 0.26 on, a
-GPU engine runs Gemma 4 on Model Runner V2, which drafts with its own speculator and never
-instantiates a V1 proposer: the plugin would silently not be used. When the engine drafts with
-gemma4_mtp (``SpeculativeConfig.use_gemma4_mtp()``) and ``VLLM_USE_V2_MODEL_RUNNER`` is unset,
-the property answers False, and the first time it does in a process we log it. An explicit
-``VLLM_USE_V2_MODEL_RUNNER=1`` is rejected before any engine starts (``checks.check_model_runner``).
-vLLM versions: 0.26 - 0.33 (the property reads the same environment variable in all of them).
-
-Experimental, opt-in (``GEMMA4_SPEC_EXPERIMENTAL_V2=1``): vLLM's own runner choice stands, so on
-GPU gemma4_mtp runs on Model Runner V2 with vLLM's ``Gemma4Speculator`` drafting through this
-plugin's assistant model (its ``get_top_tokens``, the centroid argmax, when the speculative
-config sets ``use_local_argmax_reduction``). On the H200 (d947542, ``benchmarks/e2e_decode.py
---v2-experiment``) it ran at the in-tree version's cost, above the V1 path's, so V1 stays the
-default.
+Wraps: the property ``vllm.config.vllm.VllmConfig.use_v2_model_runner``. Both of vLLM's GPU
+runners are supported: the V1 runner, where this plugin's ``Gemma4Proposer`` drafts, and Model
+Runner V2, where vLLM's ``Gemma4Speculator`` drafts with this plugin's assistant model and its
+``get_top_tokens`` (the centroid argmax; ``patch_engine_args`` turns on
+``use_local_argmax_reduction`` for greedy drafting). ``VLLM_USE_V2_MODEL_RUNNER`` decides when
+set, as everywhere in vLLM. When it is unset and the engine drafts with gemma4_mtp
+(``SpeculativeConfig.use_gemma4_mtp()``), the runner is ``DEFAULT_RUNNER``, the one
+``benchmarks/real_work.py`` measured faster on real work (the README has the figures); the
+first time that choice overrides vLLM's in a process we log it. The CPU runner is V1 whatever
+this says. vLLM versions: 0.26 - 0.33 (the property reads the same environment variable in all
+of them).
 """
 
 from __future__ import annotations
@@ -24,11 +21,11 @@ from typing import Any
 
 from gemma4_spec.log import get_logger
 from gemma4_spec.patch.hooks import is_ours, ours
-from gemma4_spec.switches import turned_on
 
 CONFIG_MODULE = "vllm.config.vllm"
 GEMMA4_MTP = "gemma4_mtp"
-EXPERIMENTAL_V2_ENV = "GEMMA4_SPEC_EXPERIMENTAL_V2"
+# "V1" or "V2": gemma4_mtp's runner when VLLM_USE_V2_MODEL_RUNNER is unset.
+DEFAULT_RUNNER = "V1"
 
 logger = get_logger(__name__)
 _logged = False
@@ -48,19 +45,16 @@ def apply(config_module: ModuleType) -> None:
 
     @functools.wraps(decide)
     def use_v2_model_runner(self: Any) -> bool:
+        vllms = decide(self)
         if not drafts_with_gemma4_mtp(self) or explicit_runner_choice() is not None:
-            return decide(self)
-        if experimental_v2():
+            return vllms
+        chosen = vllms and DEFAULT_RUNNER == "V2"
+        if chosen != vllms:
             _log_once(
-                "gemma4_spec: experimental: vLLM picks the model runner for gemma4_mtp (Model "
-                "Runner V2 on GPU: vLLM's speculator drafts with this plugin's assistant model)."
+                f"gemma4_spec: speculative method gemma4_mtp runs on vLLM's {DEFAULT_RUNNER} "
+                "model runner (set VLLM_USE_V2_MODEL_RUNNER to choose)."
             )
-            return decide(self)
-        _log_once(
-            "gemma4_spec: speculative method gemma4_mtp selects vLLM's V1 model runner "
-            "(the gemma4-spec proposer runs there; Model Runner V2 would use its own)."
-        )
-        return False
+        return chosen
 
     config_cls.use_v2_model_runner = property(ours(use_v2_model_runner))
 
@@ -75,11 +69,6 @@ def drafts_with_gemma4_mtp(vllm_config: Any) -> bool:
     if callable(check):
         return bool(check())
     return getattr(spec, "method", None) == GEMMA4_MTP
-
-
-def experimental_v2() -> bool:
-    """Whether the experimental Model Runner V2 path is asked for (see the module docstring)."""
-    return turned_on(EXPERIMENTAL_V2_ENV)
 
 
 def explicit_runner_choice() -> bool | None:

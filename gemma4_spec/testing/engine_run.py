@@ -59,6 +59,7 @@ class RunResult:
     # sizes whose greedy draft sampling our proposer captured in CUDA graphs.
     runner_class: str | None = None
     drafter_class: str | None = None
+    draft_model_class: str | None = None  # the model the drafter runs
     sampler_graph_sizes: list[int] = field(default_factory=list)
     # (padded batch size, k) of the whole draft loops it replayed from CUDA graphs, and why it
     # drafted step by step instead (None if it did not).
@@ -192,6 +193,9 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
     return {
         "runner_class": None if runner is None else _class_path(type(runner)),
         "drafter_class": None if drafter is None else _class_path(type(drafter)),
+        "draft_model_class": None
+        if getattr(drafter, "model", None) is None
+        else _class_path(type(drafter.model)),
         "sampler_graph_sizes": list(getattr(sampler, "captured_sizes", [])),
         "draft_loop_graphs": [] if loops is None else loops.captured,
         "draft_loop_graphs_off": None if loops is None else loops.disabled,

@@ -1,0 +1,317 @@
+"""Tokens/s of real work on a GPU: plain decoding vs vLLM's in-tree gemma4_mtp vs ours.
+
+What a user feels, side by side in one run: every configuration is its own engine process
+(``VLLM_PLUGINS`` picks ours or the in-tree one; each on the model runner it picks by default,
+and ours also on Model Runner V2), started together, then timed in rounds, taking turns. Round
+0 is the **first pass** at each batch size, right after start-up with no warm-up (anything
+captured or compiled lazily shows there); the later rounds are the steady state.
+
+Pairs and acceptance profiles:
+
+* ``e2b``: E2B-shaped random weights (``gemma4_spec.testing.e2b_shaped``), bf16, 128-token
+  random prompts, 128 new tokens each (``ignore_eos``). Random weights accept nothing, so the
+  acceptance comes from vLLM's synthetic rejection sampling (``rejection_sample_method:
+  "synthetic"``, unconditional per-position rates): ``field`` [0.85, 0.70, 0.55], ``poor``
+  [0.5, 0.25, 0.1]; ``zero`` is standard verification (nothing accepted: every step alike).
+* ``trained``: the shipped GSM8k-trained tiny pair (``gemma4_spec.assets``), bf16, GSM8k test
+  questions in its chat template, up to 128 new tokens: real acceptance, requests that finish
+  at different steps, so the batch shrinks as it would in serving (profile ``real``).
+
+Greedy requests throughout. Per (configuration, batch size, round): wall time, tokens, tokens/s,
+time per output token of a request, and the mean accepted length from vLLM's counters.
+
+    python benchmarks/real_work.py --pair e2b --profiles field,poor,zero --k 3 --json e2b.json
+    python benchmarks/real_work.py --pair trained --k 2,3 --json trained.json
+    python benchmarks/real_work.py --table e2b.json   # the tables of a saved run, again
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+PROFILES = {"field": [0.85, 0.70, 0.55], "poor": [0.5, 0.25, 0.1]}
+REAL, ZERO = "real", "zero"  # the trained pair's own acceptance; standard verification
+PROMPT_LEN = 128
+NEW_TOKENS = 128
+ENGINE: dict[str, Any] = dict(
+    dtype="bfloat16",
+    max_model_len=1024,
+    max_num_seqs=64,
+    enable_prefix_caching=False,
+    kv_cache_memory_bytes=3 << 30,  # skips memory profiling: engines start side by side
+    gpu_memory_utilization=0.1,  # the start-up free-memory check
+    attention_config={"backend": "TRITON_ATTN"},
+    disable_log_stats=False,
+)
+# How each speculative engine runs: its environment and speculative-config additions.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "in-tree": {"env": {"VLLM_PLUGINS": "none"}, "spec": {}},
+    # Ours on each runner: our proposer on V1; on V2 vLLM's speculator with our model and
+    # centroid argmax. With VLLM_USE_V2_MODEL_RUNNER unset ours runs on the plugin's default.
+    "ours-V1": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "spec": {}},
+    "ours-V2": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "spec": {}},
+}
+
+
+def configurations(
+    ks: list[int], profiles: list[str], variants: list[str]
+) -> dict[str, dict[str, Any]]:
+    """name -> {env, k, spec (speculative-config additions)} of one engine."""
+    configs: dict[str, dict[str, Any]] = {"plain": {"env": {"VLLM_PLUGINS": "none"}, "k": 0}}
+    for profile in profiles:
+        for k in ks:
+            spec: dict[str, Any] = {}
+            if profile in PROFILES:
+                spec = {
+                    "rejection_sample_method": "synthetic",
+                    "synthetic_acceptance_rates": PROFILES[profile][:k],
+                }
+            for variant in variants:
+                configs[f"{variant} k={k} {profile}"] = {
+                    "env": VARIANTS[variant]["env"],
+                    "k": k,
+                    "spec": {**spec, **VARIANTS[variant]["spec"]},
+                }
+    return configs
+
+
+def _pair(pair: str, workdir: Path) -> tuple[Path, Path]:
+    if pair == "e2b":
+        from gemma4_spec.testing.e2b_shaped import build_e2b_shaped_pair
+
+        return build_e2b_shaped_pair(workdir / "e2b")
+    from gemma4_spec.assets import tiny_gsm8k_pair
+
+    return tiny_gsm8k_pair()
+
+
+def _prompts(pair: str, target: Path, count: int) -> list[dict[str, Any]]:
+    if pair == "e2b":
+        rng = random.Random(0)
+        return [
+            {"prompt_token_ids": [rng.randrange(10, 262_000) for _ in range(PROMPT_LEN)]}
+            for _ in range(count)
+        ]
+    from gemma4_spec.report import chat_prompts, gsm8k_questions
+
+    return [{"prompt_token_ids": ids} for ids in chat_prompts(str(target), gsm8k_questions(count))]
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One engine: start, say ready, then on each go run every batch size once."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(args.start_timeout - 15, exit=False)
+    from vllm import LLM, SamplingParams
+
+    from gemma4_spec.metrics import Acceptance, spec_metrics
+
+    config = json.loads(args.config)
+    target, assistant = _pair(args.pair, Path(args.workdir))
+    kwargs: dict[str, Any] = dict(ENGINE, model=str(target), **json.loads(args.engine))
+    kwargs = {key: value for key, value in kwargs.items() if value is not None}
+    kwargs["skip_tokenizer_init"] = args.pair == "e2b"
+    if config["k"]:
+        kwargs["speculative_config"] = {
+            "method": "gemma4_mtp",
+            "model": str(assistant),
+            "num_speculative_tokens": config["k"],
+            **config["spec"],
+        }
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup_s = time.perf_counter() - started
+    faulthandler.cancel_dump_traceback_later()
+    batches = [int(b) for b in args.batch.split(",")]
+    prompts = _prompts(args.pair, target, max(batches))
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=args.pair == "e2b")
+    control = Path(args.control)
+    (control / f"{args.index}.ready").touch()
+
+    runs: dict[str, list[dict[str, Any]]] = {str(b): [] for b in batches}
+    for rnd in range(args.rounds):
+        while not (control / f"{args.index}.go{rnd}").exists():
+            time.sleep(0.02)
+        for b in batches:
+            before = spec_metrics(llm.get_metrics())
+            start = time.perf_counter()
+            outputs = llm.generate(prompts[:b], params, use_tqdm=False)
+            wall = time.perf_counter() - start
+            acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            runs[str(b)].append(
+                {
+                    "wall_s": wall,
+                    "tokens": tokens,
+                    "tokens_per_s": tokens / wall,
+                    "tpot_ms": wall * 1e3 * b / tokens,
+                    "mean_accepted_length": acc.mean_accepted_length
+                    if acc.num_draft_tokens
+                    else None,
+                }
+            )
+            if args.pair == "trained":  # compared with plain's in the tables
+                runs[str(b)][-1]["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+        (control / f"{args.index}.done{rnd}").touch()
+    Path(args.out).write_text(json.dumps({"startup_s": startup_s, "runs": runs}))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", choices=("e2b", "trained"), default="e2b")
+    parser.add_argument("--profiles", default=None, help=f"of {sorted(PROFILES)} + zero")
+    parser.add_argument("--k", default="2,3")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--batch", default="1,8,16,32,64")
+    parser.add_argument("--rounds", type=int, default=4, help="round 0 is the first pass")
+    parser.add_argument("--workdir", default="/tmp/real-work")
+    parser.add_argument("--only", default=None, help="comma-separated name prefixes to run")
+    parser.add_argument("--start-timeout", type=float, default=420)
+    parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--engine",
+        default="{}",
+        help="JSON of LLM(...) arguments over the defaults (null drops one)",
+    )
+    parser.add_argument("--table", default=None, help="print the tables of a saved --json, only")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--control", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.table:
+        print_tables(json.loads(Path(args.table).read_text()))
+        return 0
+    if args.worker:
+        _worker(args)
+        return 0
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2: a first pass and a steady one")
+    profiles = (args.profiles or ("field,poor,zero" if args.pair == "e2b" else REAL)).split(",")
+    known = set(PROFILES) | ({ZERO} if args.pair == "e2b" else {REAL})
+    if not set(profiles) <= known:
+        parser.error(f"profiles for the {args.pair} pair: {sorted(known)}")
+    configs = configurations(
+        [int(k) for k in args.k.split(",")], profiles, args.variants.split(",")
+    )
+    if args.only:
+        wanted = args.only.split(",")
+        configs = {n: c for n, c in configs.items() if any(n.startswith(w) for w in wanted)}
+
+    workdir = Path(args.workdir)
+    started = time.perf_counter()
+    _pair(args.pair, workdir)  # built once here, before the engines read it
+    control = workdir / f"control-{args.pair}"
+    control.mkdir(parents=True, exist_ok=True)
+    for stale in control.iterdir():
+        stale.unlink()
+    procs = []
+    for i, (name, config) in enumerate(configs.items()):
+        env = dict(os.environ, **config["env"])
+        if "VLLM_PLUGINS" not in config["env"]:
+            env.pop("VLLM_PLUGINS", None)
+        env["VLLM_CACHE_ROOT"] = str(workdir / f"cache-{args.pair}-{i}")
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in the worker process
+        log = open(control / f"engine-{i}.log", "w")  # noqa: SIM115
+        cmd = [sys.executable, __file__, "--worker", "--pair", args.pair, "--workdir",
+               str(workdir), "--config", json.dumps(config), "--control", str(control),
+               "--index", str(i), "--out", str(control / f"{i}.json"), "--batch", args.batch,
+               "--rounds", str(args.rounds), "--start-timeout", str(args.start_timeout),
+               "--engine", args.engine]  # fmt: skip
+        procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
+
+    def fail(i: int, name: str, what: str) -> None:
+        for _, other in procs:
+            other.kill()
+        tail = (control / f"engine-{i}.log").read_text()[-6000:]
+        raise SystemExit(f"engine '{name}' {what}:\n{tail}")
+
+    deadline = time.monotonic() + args.start_timeout
+    for i, (name, proc) in enumerate(procs):
+        while not (control / f"{i}.ready").exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                fail(i, name, "did not start")
+            time.sleep(0.5)
+    print(f"{len(procs)} engines ready after {time.perf_counter() - started:.0f} s", flush=True)
+    for rnd in range(args.rounds):
+        for i, (name, proc) in enumerate(procs):
+            (control / f"{i}.go{rnd}").touch()
+            while not (control / f"{i}.done{rnd}").exists():
+                if proc.poll() is not None:
+                    fail(i, name, "failed")
+                time.sleep(0.02)
+    results: dict[str, Any] = {}
+    for i, (name, proc) in enumerate(procs):
+        if proc.wait(timeout=300) != 0:
+            fail(i, name, "failed")
+        results[name] = json.loads((control / f"{i}.json").read_text())
+    saved = {"pair": args.pair, "new_tokens": NEW_TOKENS, "results": results}
+    if args.json:
+        Path(args.json).write_text(json.dumps(saved, indent=1))
+    print_tables(saved)
+    return 0
+
+
+def print_tables(saved: dict[str, Any]) -> None:
+    """Steady-state tokens/s (median of rounds 1..), each speculative run against plain and
+    against the in-tree run of the same k and profile; first pass against that steady state;
+    mean accepted length; start-up seconds. Then whether greedy tokens equal plain's."""
+    results = saved["results"]
+    plain = results["plain"]["runs"]
+    batches = list(plain)
+
+    def steady(runs: list[dict[str, Any]]) -> float:
+        return statistics.median(r["tokens_per_s"] for r in runs[1:])
+
+    def in_tree_of(name: str) -> str | None:
+        variant, _, rest = name.partition(" ")
+        other = f"in-tree {rest}"
+        return other if rest and variant != "in-tree" and other in results else None
+
+    print(f"\n{saved['pair']} pair, greedy, up to {saved['new_tokens']} new tokens a request")
+    print("steady tokens/s (x plain, x in-tree) | first pass x own steady | mean accepted length")
+    print(f"{'configuration':24}{'start s':>8}" + "".join(f"{'B=' + b:>34}" for b in batches))
+    for name, result in results.items():
+        cells = []
+        for b in batches:
+            runs = result["runs"][b]
+            tps = steady(runs)
+            cell = f"{tps:7.0f} {tps / steady(plain[b]):4.2f}x"
+            other = in_tree_of(name)
+            cell += f" {tps / steady(results[other]['runs'][b]):4.2f}x" if other else "      "
+            cell += f" | {runs[0]['tokens_per_s'] / tps:4.2f}"
+            length = runs[-1]["mean_accepted_length"]
+            cell += f" | {length:4.2f}" if length else " |     "
+            cells.append(cell)
+        print(f"{name:24}{result['startup_s']:8.0f}" + "".join(f"{c:>34}" for c in cells))
+    print("\nsteady rounds, tokens/s: lowest - highest")
+    for name, result in results.items():
+        cells = []
+        for b in batches:
+            tps = [r["tokens_per_s"] for r in result["runs"][b][1:]]
+            cells.append(f"{min(tps):7.0f} - {max(tps):7.0f}")
+        print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
+    if saved["pair"] == "trained":  # bf16: near-tied logits may differ with batch shapes
+        print("\ngreedy tokens equal to plain's (requests equal / all, over every round)")
+        for name, result in results.items():
+            same = total = 0
+            for b in batches:
+                for ours, base in zip(result["runs"][b], plain[b], strict=False):
+                    pairs = zip(ours["token_ids"], base["token_ids"], strict=True)
+                    same += sum(x == y for x, y in pairs)
+                    total += len(ours["token_ids"])
+            print(f"  {name:24} {same} / {total}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
