@@ -3,7 +3,7 @@
 # there through the device tool, from the repository root; outputs go to $OUT). Prepared here
 # first (CPU machine, once):
 #   echo /.devexp/ >> .git/info/exclude
-#   TRIM=1 ../shared/device/prepare.sh $PWD/.devexp          # vLLM 0.26.0 in two parts
+#   TRIM=1 ../shared/device/prepare.sh $PWD/.devexp 30       # vLLM 0.26.0 in 30 MiB parts
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux_2_17_x86_64 -d .devexp/tf \
 #       transformers==5.14.1 tokenizers==0.22.2 huggingface-hub==1.33.0  # what vLLM 0.26 reads
@@ -24,10 +24,16 @@
 #               E2E_TAIL=<lines> of the log shown)
 #   4. profile  (no carry, optional): torch.profiler of ours (k=2) and of plain V1, batch 1,
 #               with where the GPU idles waiting on the host
+#   real: the real-work benchmark (benchmarks/real_work.py; REAL_PAIR=e2b|trained,
+#         REAL_ARGS=<more arguments>), after 'install' or 'engine' in an earlier call
+# With 30 MiB parts: 'part' calls carry one part each (copied to /tmp/stage); the call that
+# installs carries the last part, and 'install' / 'vllm' / 'engine' read every part from
+# /tmp/stage or .devexp/parts, in order. 'engine': install, then the GPU engine test, its V1 and
+# V2 runner halves side by side (each is its own process).
 # ('install' is step 2 without its tests, to chain another step in the same call.)
 # Only committed code should be on the tree that travels: a half-written kernel breaks step 2.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh stage|kernels|vllm|install|e2e|profile}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|e2e|real|profile}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # Optional: committed copies of files to run instead of the tree's (e.g. while the kernels are
@@ -57,16 +63,28 @@ kernels)
         > "$OUT/test_kernels_cuda.log" 2>&1
     echo "kernel tests rc=$?"; tail -3 "$OUT/test_kernels_cuda.log"
     ;;
-vllm|install)  # install alone: vLLM without the tests (then e2e in the same call)
+vllm|install|engine)  # install alone: vLLM without the tests (then e2e in the same call)
     mkdir -p /tmp/site /tmp/tf
-    cat /tmp/stage/vllm-trim.tar.xz.part00 .devexp/parts/vllm-trim.tar.xz.part01 \
-        | tar -xJ -C /tmp/site || exit 3
+    for n in 00 01 02 03 04 05 06 07 08 09; do
+        for d in /tmp/stage .devexp/parts; do
+            [ -f "$d/vllm-trim.tar.xz.part$n" ] && { cat "$d/vllm-trim.tar.xz.part$n"; break; }
+        done
+    done | tar -xJ -C /tmp/site || exit 3
     pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         .devexp/wheels/*.whl .devexp/ours/*.whl 2>&1 | grep -v "as the 'root' user"
     pip install -q --no-index --no-deps --no-compile --target /tmp/tf .devexp/tf/*.whl \
         2>&1 | grep -v "as the 'root' user"
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
     [ "$step" = install ] && exit 0
+    if [ "$step" = engine ]; then
+        timeout 560 python3 -m pytest -q -k "not v2" tests/test_gpu_engine.py \
+            > "$OUT/test_gpu_engine_v1.log" 2>&1 &
+        timeout 560 python3 -m pytest -q -k v2 tests/test_gpu_engine.py \
+            > "$OUT/test_gpu_engine_v2.log" 2>&1
+        echo "engine test V2 rc=$?"; wait %1; echo "engine test V1 rc=$?"
+        tail -3 "$OUT/test_gpu_engine_v1.log" "$OUT/test_gpu_engine_v2.log"
+        exit 0
+    fi
     timeout 100 python3 benchmarks/draft_inputs.py --json "$OUT/draft_inputs.json" 2>&1 \
         | grep -v Warning  # imports the draft-graph sizes, hence vLLM
     timeout 100 python3 -m pytest -q tests/test_flat_verify_cuda.py tests/test_verify_metadata.py \
@@ -88,6 +106,18 @@ e2e)
         ${E2E_SCOPES:+--scopes} ${E2E_V2:+--v2-experiment} --rounds "${E2E_ROUNDS:-5}" \
         > "$OUT/e2e.log" 2>&1
     echo "e2e rc=$?"; grep -v "Capturing\|it/s" "$OUT/e2e.log" | tail -"${E2E_TAIL:-12}"
+    ;;
+part)  # only stage the carried parts of vLLM
+    mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part* /tmp/stage/ && ls -l /tmp/stage
+    nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+    ;;
+real)
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    pair=${REAL_PAIR:-e2b}
+    timeout "${REAL_TIMEOUT:-570}" python3 benchmarks/real_work.py --pair "$pair" \
+        --workdir /tmp/real --json "$OUT/real_work_$pair.json" ${REAL_ARGS:-} \
+        > "$OUT/real_work_$pair.log" 2>&1
+    echo "real_work rc=$?"; grep -v "Capturing\|it/s" "$OUT/real_work_$pair.log" | tail -"${REAL_TAIL:-40}"
     ;;
 profile)  # ours k=2 and plain V1 at batch 1 (PROFILE_RUNS picks others)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site

@@ -184,6 +184,7 @@ def main() -> int:
     )
     parser.add_argument("--table", default=None, help="print the tables of a saved --json, only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--control", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
@@ -194,6 +195,9 @@ def main() -> int:
         return 0
     if args.worker:
         _worker(args)
+        return 0
+    if args.build:
+        _pair(args.pair, Path(args.workdir))
         return 0
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: a first pass and a steady one")
@@ -210,7 +214,11 @@ def main() -> int:
 
     workdir = Path(args.workdir)
     started = time.perf_counter()
-    _pair(args.pair, workdir)  # built once here, before the engines read it
+    # Built once before the engines read it, in its own process (whose GPU memory is then free).
+    subprocess.run(
+        [sys.executable, __file__, "--build", "--pair", args.pair, "--workdir", str(workdir)],
+        check=True,
+    )
     control = workdir / f"control-{args.pair}"
     control.mkdir(parents=True, exist_ok=True)
     for stale in control.iterdir():

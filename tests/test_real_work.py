@@ -1,0 +1,61 @@
+"""``benchmarks/real_work.py``: which engines a run starts, and its tables from a saved run
+(``--table``), on any machine. The timing itself needs a GPU (benchmarks/results/h200)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import real_work  # noqa: E402
+
+
+def test_configurations_cover_every_profile_k_and_variant() -> None:
+    configs = real_work.configurations([2, 3], ["field", "zero"], ["in-tree", "ours-V1"])
+    assert list(configs)[0] == "plain" and configs["plain"]["k"] == 0
+    assert len(configs) == 1 + 2 * 2 * 2
+    field = configs["ours-V1 k=2 field"]
+    # Synthetic acceptance: the profile's first k unconditional rates.
+    assert field["spec"]["rejection_sample_method"] == "synthetic"
+    assert field["spec"]["synthetic_acceptance_rates"] == [0.85, 0.70]
+    assert field["env"] == {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+    assert configs["in-tree k=3 zero"]["spec"] == {}  # standard verification
+    assert configs["in-tree k=3 zero"]["env"] == {"VLLM_PLUGINS": "none"}
+
+
+def _runs(tokens_per_s: list[float], length: float | None) -> list[dict]:
+    return [
+        {"tokens_per_s": t, "mean_accepted_length": length, "token_ids": [[1, 2], [3]]}
+        for t in tokens_per_s
+    ]
+
+
+def test_tables_of_a_saved_run(tmp_path: Path) -> None:
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {
+            "plain": {"startup_s": 30, "runs": {"1": _runs([50, 100, 100], None)}},
+            "in-tree k=3 real": {"startup_s": 40, "runs": {"1": _runs([190, 200, 220], 3.3)}},
+            "ours-V1 k=3 real": {"startup_s": 50, "runs": {"1": _runs([115, 230, 250], 3.3)}},
+        },
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(saved))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "real_work.py"), "--table", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    ours = next(line for line in out.splitlines() if line.startswith("ours-V1 k=3 real"))
+    # Steady state = the median of the rounds after the first: 240 tokens/s, 2.40x plain's 100,
+    # 1.14x in-tree's 210; the first pass ran at 115 / 240 of it.
+    assert "240 2.40x 1.14x | 0.48 | 3.30" in ours
+    plain = next(line for line in out.splitlines() if line.startswith("plain"))
+    assert "1.00x" in plain and "x in-tree" not in plain
+    assert "ours-V1 k=3 real         6 / 6" in out
