@@ -19,7 +19,7 @@ def _demo(args: argparse.Namespace) -> int:
     target, assistant = _shipped_pair(args)
     print(f"Gemma 4 target:    {target}")
     print(f"Gemma 4 assistant: {assistant} (k={args.k} drafts per target step)")
-    problems = gsm8k.load("test", limit=args.num_prompts)
+    problems = gsm8k.load("test", limit=args.num_prompts, folder=args.gsm8k)
     config = ReportConfig(
         target=target,
         assistant=assistant,
@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
     demo.add_argument("--num-prompts", type=int, default=4, help="first N GSM8k test questions")
     demo.add_argument("--max-tokens", type=int, default=128)
+    demo.add_argument("--gsm8k", help="GSM8k folder (default: the copy shipped in the package)")
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--max-tokens", type=int, default=128)
     report.add_argument("--batch-size", type=int, default=1, help="requests per generate call")
     report.add_argument("--dtype", default="float32")
-    report.add_argument("--gsm8k", help="GSM8k folder (default: see gemma4_spec.data.gsm8k)")
+    report.add_argument("--gsm8k", help="GSM8k folder (default: the copy shipped in the package)")
     report.add_argument("--out", type=Path, default=Path("runs/report"), help="output folder")
     report.set_defaults(func=_report)
 
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         help="train a small Gemma 4 target + assistant (and tokenizer) on GSM8k (CPU, minutes)",
     )
     pair.add_argument("--out", type=Path, required=True, help="writes OUT/target, OUT/assistant")
-    pair.add_argument("--gsm8k", help="folder with train.jsonl (default: $GEMMA4_SPEC_GSM8K, ...)")
+    pair.add_argument("--gsm8k", help="folder with train.jsonl (default: the shipped copy)")
     pair.add_argument("--seed", type=int, default=0)
     budget = pair.add_argument_group("budget (defaults build the shipped pair)")
     for flag in ("--target-steps", "--distill-prompts", "--assistant-steps", "--centroid-steps"):

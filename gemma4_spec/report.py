@@ -41,7 +41,7 @@ class ReportConfig:
     max_tokens: int = 128
     dtype: str = "float32"
     batch_size: int = 1
-    gsm8k: str | None = None  # GSM8k folder; None: gemma4_spec.data.gsm8k's default search
+    gsm8k: str | None = None  # GSM8k folder; None: the copy shipped in the package
 
 
 @dataclass

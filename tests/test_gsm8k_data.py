@@ -1,8 +1,10 @@
-"""Finding and reading GSM8k: the shared copy, an explicit folder, and clear errors."""
+"""Finding and reading GSM8k: the shipped copy, an explicit folder, and clear errors."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,10 +12,29 @@ import pytest
 from gemma4_spec.data import gsm8k
 
 
-def test_reads_the_shared_copy() -> None:
+def test_reads_the_shipped_copy() -> None:
     problems = gsm8k.load("test", limit=3)
     assert len(problems) == 3
     assert problems[0].final_answer == "18"  # Janet's ducks
+    assert gsm8k.gsm8k_dir() == gsm8k.SHIPPED_DIR
+    # Inside the package, so that any installation (a wheel too) has it.
+    assert gsm8k.SHIPPED_DIR.is_relative_to(Path(gsm8k.__file__).resolve().parents[1])
+
+
+def test_shipped_copy_is_whole_with_its_licence_and_provenance() -> None:
+    """Every split has the rows and the sha256 its provenance note records, beside the MIT
+    licence it is shipped under."""
+    folder = gsm8k.SHIPPED_DIR
+    licence = (folder / "LICENSE").read_text()
+    assert licence.startswith("MIT License") and "OpenAI" in licence
+    provenance = (folder / "README.md").read_text()
+    assert "https://github.com/openai/grade-school-math" in provenance
+    for split, rows in (("train", 7473), ("test", 1319)):
+        name = f"{split}.jsonl"
+        recorded = re.search(rf"`{re.escape(name)}` \| (\d+) \| `([0-9a-f]{{64}})`", provenance)
+        assert recorded is not None, f"{name} has no row in the provenance note"
+        assert int(recorded.group(1)) == rows == len(gsm8k.load(split))
+        assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == recorded.group(2)
 
 
 def test_explicit_folder_without_data_is_an_error_not_a_fallback(tmp_path: Path) -> None:

@@ -107,9 +107,8 @@ def test_builder_runs_end_to_end_and_is_deterministic(
     assert (first / "target" / "tokenizer.json").read_text() == shipped_tokenizer
 
 
-def test_builder_reports_missing_gsm8k(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(gsm8k.ENV_VAR, raising=False)
-    monkeypatch.setattr(gsm8k, "_BESIDE_CHECKOUT", tmp_path / "nowhere")
+def test_builder_reports_missing_gsm8k(tmp_path: Path) -> None:
+    """An explicit folder without GSM8k is an error, not a fallback to the shipped copy."""
     with pytest.raises(FileNotFoundError, match="GSM8k not found"):
         cli_main(["build-gsm8k-pair", "--out", str(tmp_path / "pair"), "--gsm8k", str(tmp_path)])
     assert not (tmp_path / "pair").exists()

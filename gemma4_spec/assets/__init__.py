@@ -1,13 +1,15 @@
-"""Checkpoints shipped with the package.
+"""Data and checkpoints shipped with the package.
 
-``tiny_gsm8k/`` holds a small Gemma 4 target + assistant pair (with a BPE tokenizer and a chat
-template) trained on GSM8k, so that the assistant drafts well enough for an acceptance-rate test.
+``gsm8k/`` holds GSM8k (MIT, with its licence and provenance; read through
+``gemma4_spec.data.gsm8k``). ``tiny_gsm8k/`` holds a small Gemma 4 target + assistant pair (with
+a BPE tokenizer and a chat template) trained on GSM8k, so that the assistant drafts well enough
+for an acceptance-rate test.
 Rebuild it, from the project root, with:
 
     .venv/bin/gemma4-spec build-gsm8k-pair --out gemma4_spec/assets/tiny_gsm8k
 
-(``--gsm8k DIR`` if GSM8k is not in ``$GEMMA4_SPEC_GSM8K`` or ``shared/data/gsm8k``; ``--seed``
-defaults to 0, and equal seeds give the same pair.)
+(it trains on the shipped GSM8k unless ``--gsm8k DIR`` names another copy; ``--seed`` defaults
+to 0, and equal seeds give the same pair.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """GSM8k: where the project finds it and how it reads it.
 
-The data set is not shipped with the package. Commands take ``--gsm8k DIR``; without it they look
-in ``$GEMMA4_SPEC_GSM8K``, then in ``shared/data/gsm8k`` beside the project's checkout.
+The package ships GSM8k (MIT, from openai/grade-school-math) in ``gemma4_spec/assets/gsm8k``,
+with its licence and provenance, so every command finds it in any installation. Commands that
+take ``--gsm8k DIR`` read that folder instead, and only that one.
 """
 
 from __future__ import annotations
@@ -12,9 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-ENV_VAR = "GEMMA4_SPEC_GSM8K"
-# The checkout's root is two levels above this package; shared/ lies beside the checkout.
-_BESIDE_CHECKOUT = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k"
+# The copy inside the installed package (assets/ is package data, see pyproject.toml).
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "assets" / "gsm8k"
 SPLITS = ("train", "test")
 _FINAL_ANSWER = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 
@@ -32,19 +32,20 @@ class Problem:
 def gsm8k_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     """The folder holding ``train.jsonl`` and ``test.jsonl``; a clear error when there is none.
 
-    A folder given explicitly is the only one looked at (no silent fallback to another)."""
+    Without ``explicit`` it is the shipped copy. A folder given explicitly is the only one
+    looked at (no silent fallback to the shipped copy)."""
+    folder = Path(explicit) if explicit else SHIPPED_DIR
+    if (folder / "test.jsonl").is_file() or (folder / "train.jsonl").is_file():
+        return folder
     if explicit:
-        candidates = [Path(explicit)]
-    else:
-        candidates = [Path(p) for p in (os.environ.get(ENV_VAR),) if p]
-        candidates.append(_BESIDE_CHECKOUT)
-    for folder in candidates:
-        if (folder / "test.jsonl").is_file() or (folder / "train.jsonl").is_file():
-            return folder
-    tried = ", ".join(str(c) for c in candidates)
+        raise FileNotFoundError(
+            f"GSM8k not found in {folder}: the folder given with --gsm8k must hold train.jsonl "
+            "and/or test.jsonl (leave --gsm8k out to use the copy shipped with gemma4-spec)."
+        )
     raise FileNotFoundError(
-        f"GSM8k not found (looked in: {tried}). Pass the folder holding train.jsonl and "
-        f"test.jsonl with --gsm8k DIR or set {ENV_VAR}=DIR."
+        f"GSM8k not found: the copy shipped with gemma4-spec ({folder}) is missing from this "
+        "installation. Reinstall the package, or pass a folder holding train.jsonl and "
+        "test.jsonl with --gsm8k DIR."
     )
 
 
