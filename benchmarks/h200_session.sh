@@ -69,7 +69,7 @@ vllm|install|engine)  # install alone: vLLM without the tests (then e2e in the s
         for d in /tmp/stage .devexp/parts; do
             [ -f "$d/vllm-trim.tar.xz.part$n" ] && { cat "$d/vllm-trim.tar.xz.part$n"; break; }
         done
-    done | tar -xJ -C /tmp/site || exit 3
+    done | tar -xJ -C /tmp/site; [ "${PIPESTATUS[1]}" = 0 ] || exit 3  # the loop ends on a miss
     pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         .devexp/wheels/*.whl .devexp/ours/*.whl 2>&1 | grep -v "as the 'root' user"
     pip install -q --no-index --no-deps --no-compile --target /tmp/tf .devexp/tf/*.whl \

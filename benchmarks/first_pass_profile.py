@@ -1,0 +1,74 @@
+"""Where the first pass at a new batch size spends its time: one engine of ``real_work.py``'s
+configurations, warmed at batch 1, then the first and the second pass at each larger batch size
+under cProfile (the host's view: compiles, captures, synchronisations show as Python calls).
+
+    python benchmarks/first_pass_profile.py --variant ours-V1 --batch 8,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+import real_work  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", choices=("e2b", "trained"), default="trained")
+    parser.add_argument("--variant", default="ours-V1", choices=list(real_work.VARIANTS))
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--batch", default="8,16")
+    parser.add_argument("--workdir", default="/tmp/real")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    import os
+
+    os.environ.update(real_work.VARIANTS[args.variant]["env"])
+    from vllm import LLM, SamplingParams
+
+    target, assistant = real_work._pair(args.pair, Path(args.workdir))
+    kwargs: dict[str, Any] = dict(real_work.ENGINE, model=str(target))
+    kwargs["skip_tokenizer_init"] = args.pair == "e2b"
+    kwargs["speculative_config"] = {
+        "method": "gemma4_mtp",
+        "model": str(assistant),
+        "num_speculative_tokens": args.k,
+        **real_work.VARIANTS[args.variant]["spec"],
+    }
+    llm = LLM(**kwargs)
+    batches = [int(b) for b in args.batch.split(",")]
+    prompts = real_work._prompts(args.pair, target, max(batches))
+    params = SamplingParams(
+        max_tokens=real_work.NEW_TOKENS, temperature=0.0, ignore_eos=args.pair == "e2b"
+    )
+    for _ in range(2):
+        llm.generate(prompts[:1], params, use_tqdm=False)
+    for b in batches:
+        for which in ("first", "second"):
+            profile = cProfile.Profile()
+            start = time.perf_counter()
+            profile.enable()
+            llm.generate(prompts[:b], params, use_tqdm=False)
+            profile.disable()
+            print(f"\n=== B={b} {which} pass: {time.perf_counter() - start:.3f} s")
+            if which == "first":
+                out = io.StringIO()
+                stats = pstats.Stats(profile, stream=out).sort_stats("cumulative")
+                stats.print_stats(args.top)
+                print(out.getvalue()[-6000:])
+                out = io.StringIO()
+                pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(15)
+                print(out.getvalue()[-3000:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
