@@ -175,7 +175,8 @@ if HAS_TRITON:
             vals = tl.load(src_ptr + offs, mask=offs < n_read, other=0)
             tl.store(dst_ptr + offs, vals, mask=offs < n)
 
-    @triton.jit
+    # Batch sizes vary step to step: no recompile per size class inside a live request.
+    @triton.jit(do_not_specialize=["B"])
     def _stage_kernel(
         next_ids_ptr, src_pos_ptr, src_hidden_ptr, rows_ptr, src_seq_ptr, rejected_ptr,
         ids_ptr, pos_ptr, hidden_ptr, seq_ptr,

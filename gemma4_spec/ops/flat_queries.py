@@ -133,8 +133,8 @@ def flatten_queries(
 
 
 if HAS_TRITON:
-
-    @triton.jit
+    # Batch sizes vary step to step: no recompile per size class inside a live request.
+    @triton.jit(do_not_specialize=["R", "N"])
     def _flatten_kernel(
         qsl_ptr,  # [R + 1] int32
         seq_lens_ptr,  # [R] int32

@@ -134,8 +134,8 @@ def draft_rows(
 
 
 if HAS_TRITON:
-
-    @triton.jit
+    # Batch sizes vary step to step: no recompile per size class inside a live request.
+    @triton.jit(do_not_specialize=["B"])
     def _next_tokens_kernel(
         sampled_ptr, discard_ptr, backup_ptr, next_ptr, kept_ptr,
         B, T, stride_sampled, vocab_size,
@@ -158,7 +158,8 @@ if HAS_TRITON:
         tl.store(next_ptr + r, nxt.to(tl.int32), mask=r_ok)
         tl.store(kept_ptr + r, tl.where(discard, 0, kept), mask=r_ok)
 
-    @triton.jit
+    # Batch sizes vary step to step: no recompile per size class inside a live request.
+    @triton.jit(do_not_specialize=["R"])
     def _draft_rows_kernel(
         cu_ptr, kept_ptr, qsl_ptr, row_ptr, rejected_ptr, R, BLOCK_R: tl.constexpr
     ):
