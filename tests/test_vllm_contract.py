@@ -42,10 +42,8 @@ RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
 RUNNER = f"{RUNNER_MODULE}:GPUModelRunner"
 MODEL = "gemma4_spec.models.gemma4_mtp:Gemma4AssistantForDrafting"
 V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.gemma4.speculator:Gemma4Speculator"
-V2_RUN_MODEL = (
-    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator:"
-    "TargetDependentARSpeculator._run_model"
-)
+# Where Model Runner V2 calls the draft model (inherited: its base class moved after 0.26).
+V2_RUN_MODEL = f"{V2_SPECULATOR}._run_model"
 
 
 def _fields_0_32() -> bool:
@@ -56,7 +54,8 @@ def _fields_0_32() -> bool:
 def _v2_forward_keywords() -> Iterator[str]:
     """Model Runner V2 calls the draft model as ``self.model(**model_inputs)``, with
     ``model_inputs = dict(...)`` built in ``_run_model``: our forward must take those names."""
-    source = textwrap.dedent(inspect.getsource(resolve(V2_RUN_MODEL)))
+    run_model = resolve(V2_RUN_MODEL)
+    source = textwrap.dedent(inspect.getsource(run_model))
     passed: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if (
@@ -66,7 +65,7 @@ def _v2_forward_keywords() -> Iterator[str]:
         ):
             passed |= {k.arg for k in node.value.keywords if k.arg is not None}
     if not passed:
-        yield f"{V2_RUN_MODEL} no longer builds model_inputs = dict(...): read how it calls"
+        yield f"{run_model.__qualname__} builds no model_inputs = dict(...): read how it calls"
     accepted = {p.name for p in inspect.signature(resolve(MODEL).forward).parameters.values()}
     yield from (f"our forward takes no {k!r}" for k in sorted(passed - accepted))
 
@@ -124,6 +123,33 @@ def _idle_logits_processors() -> Iterator[str]:
     for name, attribute in IDLE_WHEN_EMPTY.items():
         path = f"vllm.v1.sample.logits_processor.builtin:{name}"
         yield from Attributes(path, (attribute,)).problems()
+
+
+# vLLM's rejection-sampling methods the greedy gate knows: "standard"; "synthetic" (the
+# sampler's synthetic_mode); "block" (Model Runner V2 only; V1's sampler runs it as standard);
+# "fly" (0.33, the sampler's use_fly).
+KNOWN_REJECTION_METHODS: dict[str, str | None] = {
+    "standard": None,
+    "synthetic": "synthetic_mode",
+    "block": None,
+    "fly": "use_fly",
+}
+
+
+def _rejection_methods_known() -> Iterator[str]:
+    """A rejection-sampling method the gate does not know might keep drafts other than the
+    argmax; each known one that changes V1's sampler shows as the attribute the gate reads."""
+    from typing import get_args
+
+    methods = get_args(resolve("vllm.config.speculative:RejectionSampleMethod"))
+    if not methods:
+        yield "RejectionSampleMethod is no longer a Literal: read how methods are named"
+    sampler = "vllm.v1.sample.rejection_sampler:RejectionSampler"
+    for method in methods:
+        if method not in KNOWN_REJECTION_METHODS:
+            yield f"rejection_sample_method {method!r} is new: does the greedy gate refuse it?"
+        elif KNOWN_REJECTION_METHODS[method] is not None:
+            yield from Attributes(sampler, (KNOWN_REJECTION_METHODS[method],)).problems()
 
 
 def _cascade_flag_where_flat_verify_runs() -> Iterator[str]:
@@ -446,7 +472,7 @@ CONTRACTS: tuple[Contract, ...] = (
         "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
         positional=("metadata", "draft_probs", "logits", "sampling_metadata"),
     ),
-    Attributes("vllm.v1.sample.rejection_sampler:RejectionSampler", ("synthetic_mode",)),
+    Check("rejection-sampling methods", _rejection_methods_known),
     Params("vllm.v1.outputs:SamplerOutput", keywords=("sampled_token_ids", "logprobs_tensors")),
     Attributes(
         "vllm.v1.sample.metadata:SamplingMetadata",
