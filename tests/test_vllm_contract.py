@@ -46,11 +46,6 @@ V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.gemma4.speculator:Gemma4Speculat
 V2_RUN_MODEL = f"{V2_SPECULATOR}._run_model"
 
 
-def _fields_0_32() -> bool:
-    found = installed_vllm_version()
-    return found is not None and found.release >= (0, 32)
-
-
 def _v2_forward_keywords() -> Iterator[str]:
     """Model Runner V2 calls the draft model as ``self.model(**model_inputs)``, with
     ``model_inputs = dict(...)`` built in ``_run_model``: our forward must take those names."""
@@ -101,9 +96,9 @@ def _in_tree_architecture() -> Iterator[str]:
 
 
 def _drafting_metadata_builder() -> Iterator[str]:
-    """``compat.build_drafting_metadata``: the group's own method from 0.32, the builder's
-    before it."""
-    if _fields_0_32():
+    """``compat.build_drafting_metadata``: the group's own method where it has one (0.32 on),
+    the builder's before."""
+    if hasattr(resolve("vllm.v1.worker.utils:AttentionGroup"), "build_metadata_for_drafting"):
         yield from Params(
             "vllm.v1.worker.utils:AttentionGroup.build_metadata_for_drafting",
             positional=("common_attn_metadata", "draft_index"),
