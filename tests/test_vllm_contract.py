@@ -177,6 +177,7 @@ CONTRACTS: tuple[Contract, ...] = (
             "set_per_group_block_table",
             "block_table_of",
             "_capture_sampler",
+            "_capture_draft_loops",
             "_one_query_per_request",
             "_draft_step",
             "metadata_over_tables",
@@ -243,8 +244,19 @@ CONTRACTS: tuple[Contract, ...] = (
     ),
     Attributes(
         "vllm.v1.worker.gpu_input_batch:InputBatch",
-        ("prev_sampled_token_ids", "req_ids", "num_reqs", "num_tokens_no_spec", "vocab_size"),
+        (
+            "prev_sampled_token_ids",
+            "req_ids",
+            "num_reqs",
+            "num_tokens_no_spec",
+            "vocab_size",
+            "block_table",  # the proposer's start-up capture of the draft loops
+        ),
     ),
+    # spec_decode/proposer.py: the draft-loop graphs' table buffers take the widths of the
+    # runner's per-group block tables.
+    Exists("vllm.v1.worker.block_table:MultiGroupBlockTable.__getitem__", "callable"),
+    Params("vllm.v1.worker.block_table:BlockTable.get_device_tensor", positional=("num_reqs",)),
     Exists("vllm.v1.worker.gpu_input_batch:CachedRequestState.get_token_id", "callable"),
     Attributes("vllm.v1.utils:CpuGpuBuffer", ("gpu", "np", "copy_to_gpu")),
     Attributes("vllm.v1.core.sched.output:SchedulerOutput", ("scheduled_spec_decode_tokens",)),
