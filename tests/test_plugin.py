@@ -331,6 +331,10 @@ def test_the_default_runner_applies_only_where_vllm_would_pick_v2(
     assert module.VllmConfig("gemma4_mtp", True).use_v2_model_runner is (default == "V2")
     # Where vLLM picks V1 (the CPU runner, older models) gemma4_mtp stays there.
     assert module.VllmConfig("gemma4_mtp", False).use_v2_model_runner is False
+    # A feature that runs on V2 only keeps vLLM's choice.
+    watermarked = module.VllmConfig("gemma4_mtp", True)
+    watermarked.watermark_config = object()
+    assert watermarked.use_v2_model_runner is True
 
 
 @pytest.mark.parametrize(

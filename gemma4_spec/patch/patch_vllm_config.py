@@ -46,7 +46,11 @@ def apply(config_module: ModuleType) -> None:
     @functools.wraps(decide)
     def use_v2_model_runner(self: Any) -> bool:
         vllms = decide(self)
-        if not drafts_with_gemma4_mtp(self) or explicit_runner_choice() is not None:
+        if (
+            not drafts_with_gemma4_mtp(self)
+            or explicit_runner_choice() is not None
+            or needs_v2(self)
+        ):
             return vllms
         chosen = vllms and DEFAULT_RUNNER == "V2"
         if chosen != vllms:
@@ -69,6 +73,16 @@ def drafts_with_gemma4_mtp(vllm_config: Any) -> bool:
     if callable(check):
         return bool(check())
     return getattr(spec, "method", None) == GEMMA4_MTP
+
+
+def needs_v2(vllm_config: Any) -> bool:
+    """Features that run on Model Runner V2 only (vLLM 0.32+: HiSparse attention, watermarking):
+    vLLM's choice stands, or they would be dropped silently."""
+    attention = getattr(vllm_config, "attention_config", None)
+    return (
+        getattr(attention, "hisparse_config", None) is not None
+        or getattr(vllm_config, "watermark_config", None) is not None
+    )
 
 
 def explicit_runner_choice() -> bool | None:
