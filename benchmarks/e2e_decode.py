@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -30,6 +29,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_turns import EngineTurns, engine_env, turn_done, wait_turn, worker_ready  # noqa: E402
 
 PROMPT_LEN = 128
 NEW_TOKENS = 128
@@ -109,7 +111,6 @@ def _worker(args: argparse.Namespace) -> None:
     control = Path(args.control)
     llm = LLM(**engine_kwargs(args.workdir, args.spec_tokens))
     if args.scopes:
-        sys.path.insert(0, str(Path(__file__).parent))
         import host_scopes
 
         host_scopes.install()
@@ -147,7 +148,7 @@ def _worker(args: argparse.Namespace) -> None:
     for b in batches:  # warm-up (also captures anything captured on first use)
         run(b, 8)
     faulthandler.cancel_dump_traceback_later()
-    (control / f"{args.index}.ready").touch()
+    worker_ready(control, args.index)
 
     # Timed in rounds, the engines taking turns within each round (the parent says when), so
     # that drift of the machine over the run spreads over every configuration alike.
@@ -160,8 +161,7 @@ def _worker(args: argparse.Namespace) -> None:
     before = spec_metrics(llm.get_metrics())
     gc.callbacks.append(on_gc)
     for rnd in range(args.rounds):
-        while not (control / f"{args.index}.go{rnd}").exists():
-            time.sleep(0.05)
+        wait_turn(control, args.index, rnd)
         for b in batches:
             prefill = run(b, 1)
             full = run(b, 1 + NEW_TOKENS)
@@ -170,7 +170,7 @@ def _worker(args: argparse.Namespace) -> None:
             gc_ms[b].append((full[2] - prefill[2]) / NEW_TOKENS * 1e3)
             if args.scopes:
                 scope_ms[b].append(host_scopes.per_step(full[3], prefill[3], NEW_TOKENS))
-        (control / f"{args.index}.done{rnd}").touch()
+        turn_done(control, args.index, rnd)
     gc.callbacks.remove(on_gc)
     acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
     results = {
@@ -240,53 +240,40 @@ def main() -> int:
     if args.only:
         wanted = args.only.split(",")
         configs = {n: c for n, c in configs.items() if any(n.startswith(w) for w in wanted)}
-    control = Path(args.workdir) / "control"
-    control.mkdir(parents=True, exist_ok=True)
-    for stale in control.iterdir():
-        stale.unlink()
-    procs = []
-    for i, (name, config) in enumerate(configs.items()):
-        env = dict(os.environ, **config["env"])
-        if "VLLM_PLUGINS" not in config["env"]:
-            env.pop("VLLM_PLUGINS", None)
-        env["VLLM_CACHE_ROOT"] = str(Path(args.workdir) / f"cache-{i}")  # no compile-cache races
-        # Engine core in the worker process, as in tests/test_gpu_engine.py (which passed on the
-        # H200): a multiprocess start of ours hung there once before loading weights.
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        log = open(Path(args.workdir) / f"engine-{i}.log", "w")  # noqa: SIM115
-        cmd = [sys.executable, __file__, "--worker", "--workdir", args.workdir, "--control",
-               str(control), "--index", str(i), "--out", str(control / f"{i}.json"),
-               "--batch", args.batch, "--spec-tokens", str(config["k"]), "--rounds",
-               str(args.rounds), "--start-timeout", str(args.start_timeout)]  # fmt: skip
-        cmd += ["--scopes"] * args.scopes
-        procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
-
-    deadline = time.monotonic() + args.start_timeout
-    for i, (name, proc) in enumerate(procs):
-        while not (control / f"{i}.ready").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                for _, other in procs:
-                    other.kill()
-                tail = (Path(args.workdir) / f"engine-{i}.log").read_text()[-6000:]
-                raise SystemExit(f"engine '{name}' did not start:\n{tail}")
-            time.sleep(1)
+    turns = EngineTurns(Path(args.workdir) / "control")
+    for index, (name, config) in enumerate(configs.items()):
+        turns.start(
+            name,
+            lambda i, config=config: (
+                [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    "--workdir",
+                    args.workdir,
+                    "--control",
+                    str(turns.control),
+                    "--index",
+                    str(i),
+                    "--out",
+                    str(turns.control / f"{i}.json"),
+                    "--batch",
+                    args.batch,
+                    "--spec-tokens",
+                    str(config["k"]),
+                    "--rounds",
+                    str(args.rounds),
+                    "--start-timeout",
+                    str(args.start_timeout),
+                ]
+                + ["--scopes"] * args.scopes
+            ),  # fmt: skip
+            engine_env(config["env"], Path(args.workdir) / f"cache-{index}"),
+        )
+    turns.wait_ready(args.start_timeout)
     print(f"all engines ready after {time.perf_counter() - started:.0f} s", flush=True)
-
-    for rnd in range(args.rounds):
-        for i, (name, proc) in enumerate(procs):
-            (control / f"{i}.go{rnd}").touch()
-            while not (control / f"{i}.done{rnd}").exists():
-                if proc.poll() is not None:
-                    tail = (Path(args.workdir) / f"engine-{i}.log").read_text()[-6000:]
-                    raise SystemExit(f"engine '{name}' failed:\n{tail}")
-                time.sleep(0.05)
-    results: dict[str, Any] = {}
-    for i, (name, proc) in enumerate(procs):
-        proc.wait(timeout=300)
-        if proc.returncode != 0:
-            tail = (Path(args.workdir) / f"engine-{i}.log").read_text()[-6000:]
-            raise SystemExit(f"engine '{name}' failed:\n{tail}")
-        results[name] = json.loads((control / f"{i}.json").read_text())
+    turns.take_turns(args.rounds)
+    results = turns.results()
 
     _print_table(results)
     if args.json:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -37,6 +36,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine_turns import EngineTurns, engine_env, turn_done, wait_turn, worker_ready  # noqa: E402
 
 PROFILES = {"field": [0.85, 0.70, 0.55], "poor": [0.5, 0.25, 0.1]}
 REAL, ZERO = "real", "zero"  # the trained pair's own acceptance; standard verification
@@ -135,12 +137,11 @@ def _worker(args: argparse.Namespace) -> None:
     prompts = _prompts(args.pair, target, max(batches))
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=args.pair == "e2b")
     control = Path(args.control)
-    (control / f"{args.index}.ready").touch()
+    worker_ready(control, args.index)
 
     runs: dict[str, list[dict[str, Any]]] = {str(b): [] for b in batches}
     for rnd in range(args.rounds):
-        while not (control / f"{args.index}.go{rnd}").exists():
-            time.sleep(0.02)
+        wait_turn(control, args.index, rnd)
         for b in batches:
             before = spec_metrics(llm.get_metrics())
             start = time.perf_counter()
@@ -161,7 +162,7 @@ def _worker(args: argparse.Namespace) -> None:
             )
             if args.pair == "trained":  # compared with plain's in the tables
                 runs[str(b)][-1]["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
-        (control / f"{args.index}.done{rnd}").touch()
+        turn_done(control, args.index, rnd)
     Path(args.out).write_text(json.dumps({"startup_s": startup_s, "runs": runs}))
 
 
@@ -219,50 +220,41 @@ def main() -> int:
         [sys.executable, __file__, "--build", "--pair", args.pair, "--workdir", str(workdir)],
         check=True,
     )
-    control = workdir / f"control-{args.pair}"
-    control.mkdir(parents=True, exist_ok=True)
-    for stale in control.iterdir():
-        stale.unlink()
-    procs = []
-    for i, (name, config) in enumerate(configs.items()):
-        env = dict(os.environ, **config["env"])
-        if "VLLM_PLUGINS" not in config["env"]:
-            env.pop("VLLM_PLUGINS", None)
-        env["VLLM_CACHE_ROOT"] = str(workdir / f"cache-{args.pair}-{i}")
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in the worker process
-        log = open(control / f"engine-{i}.log", "w")  # noqa: SIM115
-        cmd = [sys.executable, __file__, "--worker", "--pair", args.pair, "--workdir",
-               str(workdir), "--config", json.dumps(config), "--control", str(control),
-               "--index", str(i), "--out", str(control / f"{i}.json"), "--batch", args.batch,
-               "--rounds", str(args.rounds), "--start-timeout", str(args.start_timeout),
-               "--engine", args.engine]  # fmt: skip
-        procs.append((name, subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)))
-
-    def fail(i: int, name: str, what: str) -> None:
-        for _, other in procs:
-            other.kill()
-        tail = (control / f"engine-{i}.log").read_text()[-6000:]
-        raise SystemExit(f"engine '{name}' {what}:\n{tail}")
-
-    deadline = time.monotonic() + args.start_timeout
-    for i, (name, proc) in enumerate(procs):
-        while not (control / f"{i}.ready").exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                fail(i, name, "did not start")
-            time.sleep(0.5)
-    print(f"{len(procs)} engines ready after {time.perf_counter() - started:.0f} s", flush=True)
-    for rnd in range(args.rounds):
-        for i, (name, proc) in enumerate(procs):
-            (control / f"{i}.go{rnd}").touch()
-            while not (control / f"{i}.done{rnd}").exists():
-                if proc.poll() is not None:
-                    fail(i, name, "failed")
-                time.sleep(0.02)
-    results: dict[str, Any] = {}
-    for i, (name, proc) in enumerate(procs):
-        if proc.wait(timeout=300) != 0:
-            fail(i, name, "failed")
-        results[name] = json.loads((control / f"{i}.json").read_text())
+    turns = EngineTurns(workdir / f"control-{args.pair}")
+    for index, (name, config) in enumerate(configs.items()):
+        turns.start(
+            name,
+            lambda i, config=config: [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--pair",
+                args.pair,
+                "--workdir",
+                str(workdir),
+                "--config",
+                json.dumps(config),
+                "--control",
+                str(turns.control),
+                "--index",
+                str(i),
+                "--out",
+                str(turns.control / f"{i}.json"),
+                "--batch",
+                args.batch,
+                "--rounds",
+                str(args.rounds),
+                "--start-timeout",
+                str(args.start_timeout),
+                "--engine",
+                args.engine,
+            ],  # fmt: skip
+            engine_env(config["env"], workdir / f"cache-{args.pair}-{index}"),
+        )
+    turns.wait_ready(args.start_timeout)
+    print(f"{len(configs)} engines ready after {time.perf_counter() - started:.0f} s", flush=True)
+    turns.take_turns(args.rounds)
+    results = turns.results()
     saved = {"pair": args.pair, "new_tokens": NEW_TOKENS, "results": results}
     if args.json:
         Path(args.json).write_text(json.dumps(saved, indent=1))

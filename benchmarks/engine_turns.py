@@ -1,0 +1,94 @@
+"""Engines in their own processes, started together, then timed in turns (``e2e_decode.py``,
+``real_work.py``): a drift of the machine during the run then spreads over every engine alike.
+
+The protocol, through files in a control folder: engine ``i`` touches ``i.ready`` once started,
+waits for ``i.go<r>`` before its round ``r`` and touches ``i.done<r>`` after it, and writes its
+results to ``i.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def engine_env(overrides: dict[str, str], cache_root: Path) -> dict[str, str]:
+    """The environment of one engine: ours plus ``overrides``; ``VLLM_PLUGINS`` only where the
+    engine sets it (every installed plugin loads otherwise); its own compile cache (no races);
+    the engine core in the worker process (a multiprocess start of ours hung once on the H200
+    before loading weights)."""
+    env = dict(os.environ, **overrides)
+    if "VLLM_PLUGINS" not in overrides:
+        env.pop("VLLM_PLUGINS", None)
+    env["VLLM_CACHE_ROOT"] = str(cache_root)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+
+class EngineTurns:
+    """The parent's side: start engines, wait until all are ready, give them their turns."""
+
+    def __init__(self, control: Path) -> None:
+        self.control = control
+        control.mkdir(parents=True, exist_ok=True)
+        for stale in control.iterdir():
+            stale.unlink()
+        self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, command: Callable[[int], list[str]], env: dict[str, str]) -> None:
+        """Start the next engine, ``i``: ``command(i)`` runs it; its output goes to
+        ``engine-<i>.log`` in the control folder."""
+        i = len(self._procs)
+        log = open(self.control / f"engine-{i}.log", "w")  # noqa: SIM115
+        proc = subprocess.Popen(command(i), env=env, stdout=log, stderr=subprocess.STDOUT)
+        self._procs.append((name, proc))
+
+    def _fail(self, i: int, what: str) -> None:
+        for _, proc in self._procs:
+            proc.kill()
+        tail = (self.control / f"engine-{i}.log").read_text()[-6000:]
+        raise SystemExit(f"engine '{self._procs[i][0]}' {what}:\n{tail}")
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for i, (_, proc) in enumerate(self._procs):
+            while not (self.control / f"{i}.ready").exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    self._fail(i, "did not start")
+                time.sleep(0.5)
+
+    def take_turns(self, rounds: int) -> None:
+        for rnd in range(rounds):
+            for i, (_, proc) in enumerate(self._procs):
+                (self.control / f"{i}.go{rnd}").touch()
+                while not (self.control / f"{i}.done{rnd}").exists():
+                    if proc.poll() is not None:
+                        self._fail(i, "failed")
+                    time.sleep(0.02)
+
+    def results(self) -> dict[str, Any]:
+        """Each engine's results, by name, once they have all exited."""
+        results: dict[str, Any] = {}
+        for i, (name, proc) in enumerate(self._procs):
+            if proc.wait(timeout=300) != 0:
+                self._fail(i, "failed")
+            results[name] = json.loads((self.control / f"{i}.json").read_text())
+        return results
+
+
+def worker_ready(control: Path, index: int) -> None:
+    (control / f"{index}.ready").touch()
+
+
+def wait_turn(control: Path, index: int, rnd: int) -> None:
+    while not (control / f"{index}.go{rnd}").exists():
+        time.sleep(0.02)
+
+
+def turn_done(control: Path, index: int, rnd: int) -> None:
+    (control / f"{index}.done{rnd}").touch()
