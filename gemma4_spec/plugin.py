@@ -11,9 +11,12 @@ from __future__ import annotations
 from gemma4_spec.compat import SUPPORTED_VLLM, installed_vllm_version, vllm_is_supported
 from gemma4_spec.log import get_logger
 from gemma4_spec.patch import (
+    patch_cpu_expand,
+    patch_cpu_generators,
     patch_engine_args,
     patch_gpu_model_runner,
     patch_rejection_sampler,
+    patch_top_k_only,
     patch_triton_attn,
     patch_vllm_config,
 )
@@ -51,3 +54,6 @@ def register() -> None:
     when_imported(patch_vllm_config.CONFIG_MODULE, patch_vllm_config.apply)
     when_imported(patch_triton_attn.TRITON_ATTN_MODULE, patch_triton_attn.apply)
     when_imported(patch_rejection_sampler.REJECTION_SAMPLER_MODULE, patch_rejection_sampler.apply)
+    when_imported(patch_cpu_expand.REJECTION_SAMPLER_MODULE, patch_cpu_expand.apply)
+    when_imported(patch_top_k_only.TOPK_TOPP_MODULE, patch_top_k_only.apply)
+    when_imported(patch_cpu_generators.RUNNER_MODULE, patch_cpu_generators.apply)

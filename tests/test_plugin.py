@@ -25,9 +25,12 @@ from gemma4_spec import plugin
 from gemma4_spec.compat import SUPPORTED_VLLM, UnsupportedVLLMVersionError, check_vllm_version
 from gemma4_spec.patch import (
     hooks,
+    patch_cpu_expand,
+    patch_cpu_generators,
     patch_engine_args,
     patch_gpu_model_runner,
     patch_rejection_sampler,
+    patch_top_k_only,
     patch_triton_attn,
     patch_vllm_config,
 )
@@ -100,6 +103,9 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_vllm_config.CONFIG_MODULE,
         patch_triton_attn.TRITON_ATTN_MODULE,
         patch_rejection_sampler.REJECTION_SAMPLER_MODULE,
+        patch_cpu_expand.REJECTION_SAMPLER_MODULE,
+        patch_top_k_only.TOPK_TOPP_MODULE,
+        patch_cpu_generators.RUNNER_MODULE,
     ]
     assert [cb for _, cb in fresh_plugin["when_imported"]] == [
         patch_engine_args.apply,
@@ -107,6 +113,9 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_vllm_config.apply,
         patch_triton_attn.apply,
         patch_rejection_sampler.apply,
+        patch_cpu_expand.apply,
+        patch_top_k_only.apply,
+        patch_cpu_generators.apply,
     ]
     entry = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
     assert f"{entry.module_name}:{entry.class_name}" == plugin.MODEL_CLASS

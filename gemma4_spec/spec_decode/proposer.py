@@ -13,6 +13,8 @@ What differs from vLLM's generic draft-model flow (``SpecDecodeBaseProposer``):
   embedding when the widths differ: vllm#47794).
 * With a quantized KV cache, each draft layer reads the target's cache with that target layer's
   K/V scales (``kv_scales.py``).
+* Probabilistic drafting (vLLM's) drafts seeded requests greedily, with a one-hot
+  probability, so that they repeat (``seeded_drafts.py``).
 * Greedy drafting goes through the model's ``get_top_tokens`` (centroid-masked argmax without a
   full-vocabulary tensor when the assistant uses centroids).
 * ``propose`` runs every draft step on one query per request. The base class first runs the
@@ -56,6 +58,7 @@ from gemma4_spec.spec_decode.draft_graphs import DraftLoopGraphs, loop_graph_siz
 from gemma4_spec.spec_decode.draft_start import DRAFT_START_ENV, DraftStart
 from gemma4_spec.spec_decode.kv_scales import share_kv_scales
 from gemma4_spec.spec_decode.sampler_graphs import GraphedGreedySampler
+from gemma4_spec.spec_decode.seeded_drafts import one_hot_drafts
 from gemma4_spec.spec_decode.verify_input_ids import VERIFY_INPUT_IDS_ENV, VerifyInputIds
 from gemma4_spec.spec_decode.verify_metadata import VERIFY_METADATA_ENV, VerifyMetadataBuilder
 from gemma4_spec.switches import turned_off
@@ -160,6 +163,20 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         if self.sampler is not None:
             return self.sampler(hidden_states)
         return self.model.get_top_tokens(hidden_states)
+
+    def _sample_draft_tokens(
+        self, hidden_states: torch.Tensor, sampling_metadata: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """vLLM's draft sampling (greedy, or probabilistic when configured), except that seeded
+        requests draft greedily with a one-hot probability (``seeded_drafts.py``): vLLM draws
+        probabilistic drafts from the global generator, which would keep a seed from
+        repeating."""
+        tokens, probs = super()._sample_draft_tokens(hidden_states, sampling_metadata)
+        rows = sorted(i for i in sampling_metadata.generators if i < hidden_states.shape[0])
+        if probs is None or not rows:
+            return tokens, probs
+        greedy = self.model.get_top_tokens(hidden_states[rows])
+        return one_hot_drafts(tokens, probs, rows, greedy)
 
     def _capture_sampler(self, num_tokens: int) -> None:
         if self.device.type != "cuda" or turned_off(SAMPLER_GRAPHS_ENV):

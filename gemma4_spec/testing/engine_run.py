@@ -45,11 +45,16 @@ class RunConfig:
     max_num_batched_tokens: int | None = None
     # Further ``vllm.LLM`` keyword arguments (JSON-serialisable), applied last.
     extra_engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # One dict of ``SamplingParams`` arguments per prompt, over the defaults above (e.g.
+    # ``{"seed": None, "top_k": 64}``); empty: every prompt gets the defaults.
+    sampling: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
 class RunResult:
     token_ids: list[list[int]]
+    # Every completion of every prompt (``n`` > 1 gives several); token_ids holds the first.
+    all_token_ids: list[list[list[int]]] = field(default_factory=list)
     # vllm:spec_decode_* counters (per-position acceptance as a list); empty without a draft.
     spec_metrics: dict[str, Any] = field(default_factory=dict)
     # The class vLLM's runner module instantiates for gemma4_mtp in this process (ours when the
@@ -145,16 +150,23 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(config, single_process=single_process))
-    params = SamplingParams(
+    defaults: dict[str, Any] = dict(
         max_tokens=config.max_tokens,
         temperature=config.temperature,
         seed=config.seed,
         ignore_eos=True,
     )
+    if config.sampling and len(config.sampling) != len(config.prompts):
+        raise ValueError(f"{len(config.sampling)} sampling dicts for {len(config.prompts)} prompts")
+    per_prompt = config.sampling or [{}] * len(config.prompts)
+    params = [SamplingParams(**{**defaults, **changes}) for changes in per_prompt]
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in config.prompts], params, use_tqdm=False
     )
-    result = RunResult(token_ids=[list(o.outputs[0].token_ids) for o in outputs])
+    result = RunResult(
+        token_ids=[list(o.outputs[0].token_ids) for o in outputs],
+        all_token_ids=[[list(c.token_ids) for c in o.outputs] for o in outputs],
+    )
     result.spec_metrics = spec_metrics(llm.get_metrics())
     runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
     if runner is not None:
