@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint
+.PHONY: demo test lint compat-transformers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,3 +24,15 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gemma4_spec tests benchmarks
 	$(VENV)/bin/ruff format --check gemma4_spec tests benchmarks
+
+# The oldest transformers the supported vLLM range uses (vLLM 0.26), beside the venv's, for
+# tests/test_old_transformers.py (which skips without it). --no-deps --target: it runs on the
+# venv's torch; tokenizers and huggingface-hub at versions it accepts.
+OLD_TRANSFORMERS := .compat/transformers-5.14.1
+compat-transformers: $(OLD_TRANSFORMERS)/.installed
+
+$(OLD_TRANSFORMERS)/.installed: $(STAMP)
+	rm -rf $(OLD_TRANSFORMERS)
+	$(PY) -m pip install -q --no-deps --target $(OLD_TRANSFORMERS) \
+		transformers==5.14.1 tokenizers==0.22.2 huggingface-hub==1.33.0
+	touch $@
