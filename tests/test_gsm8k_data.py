@@ -62,3 +62,13 @@ def test_final_answer(text: str, expected: str | None) -> None:
 def test_unknown_split() -> None:
     with pytest.raises(ValueError, match="split"):
         gsm8k.load("validation")
+
+
+def test_demo_reads_the_folder_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``gemma4-spec demo --gsm8k DIR`` reads DIR (here without data: an error before any
+    engine starts), not the shipped copy."""
+    from gemma4_spec.cli import main as cli_main
+
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")  # what the demo would set for itself
+    with pytest.raises(FileNotFoundError, match=f"GSM8k not found in {tmp_path}"):
+        cli_main(["demo", "--gsm8k", str(tmp_path)])

@@ -102,9 +102,13 @@ def test_builder_runs_end_to_end_and_is_deterministic(
     assert ordering is not None and not torch.equal(ordering, torch.arange(ordering.numel()))
     for name in ("target/model.safetensors", "assistant/model.safetensors"):
         assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
-    # The tokenizer depends on the data only: the shipped one is the one the builder makes.
-    shipped_tokenizer = (pair[0] / "tokenizer.json").read_text()
-    assert (first / "target" / "tokenizer.json").read_text() == shipped_tokenizer
+    # The tokenizer depends on the data only, the configs on the recipe's shapes only (not the
+    # budget): the shipped ones are the ones the builder makes, configs in the flat form that
+    # every supported transformers reads (gemma4_spec.testing.config_format).
+    for shipped in pair:
+        for name in ("tokenizer.json", "config.json", "generation_config.json"):
+            built = (first / shipped.name / name).read_bytes()
+            assert built == (shipped / name).read_bytes(), f"{shipped.name}/{name}"
 
 
 def test_builder_reports_missing_gsm8k(tmp_path: Path) -> None:

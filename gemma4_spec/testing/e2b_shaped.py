@@ -19,6 +19,7 @@ from transformers import (
     Gemma4TextConfig,
 )
 
+from gemma4_spec.testing.config_format import write_portable_config
 from gemma4_spec.testing.kv_norms import add_missing_k_norms
 from gemma4_spec.validation import FULL_ATTENTION as FULL
 from gemma4_spec.validation import SLIDING_ATTENTION as SLIDING
@@ -100,6 +101,7 @@ def _build(cls: type, config: object, path: Path, device: str, seed: int) -> Pat
     model.to(torch.bfloat16)
     _randomise(model, seed)
     model.save_pretrained(path)
+    write_portable_config(path)  # readable by every transformers the vLLM range uses
     return path
 
 

@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from gemma4_spec.testing.config_format import write_portable_config
 from gemma4_spec.training.clustering import balanced_assign
 from gemma4_spec.validation import FULL_ATTENTION as FULL
 from gemma4_spec.validation import SLIDING_ATTENTION as SLIDING
@@ -154,6 +155,7 @@ def _save(model: PreTrainedModel, path: Path, dtype: torch.dtype) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.to(dtype)  # casts floating tensors only; token_ordering stays int64
     model.save_pretrained(path)
+    write_portable_config(path)  # readable by every transformers the vLLM range uses
     return path
 
 

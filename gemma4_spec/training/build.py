@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from gemma4_spec.data import gsm8k
+from gemma4_spec.testing.config_format import write_portable_config
 from gemma4_spec.testing.tiny import VOCAB_SIZE
 from gemma4_spec.training.assistant import (
     draft_accuracy,
@@ -169,5 +170,6 @@ def _save(
         path.mkdir(parents=True, exist_ok=True)
         model.generation_config = generation
         model.save_pretrained(path)
+        write_portable_config(path)  # readable by every transformers the vLLM range uses
         tokenizer.save_pretrained(path)
     return paths
