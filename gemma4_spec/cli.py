@@ -70,6 +70,8 @@ def _report(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         batch_size=args.batch_size,
         gsm8k=args.gsm8k,
+        temperature=args.temperature,
+        draft_method=args.draft_method,
     )
     check_config(config)
     require_matplotlib()
@@ -77,7 +79,7 @@ def _report(args: argparse.Namespace) -> int:
     print(format_report(report))
     json_path, png_path = write_report(report, args.out)
     print(f"wrote {json_path} and {png_path}")
-    return 0 if report.outputs_identical else 1
+    return 0 if report.outputs_identical or not report.greedy else 1
 
 
 def _build_tiny(args: argparse.Namespace) -> int:
@@ -156,6 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--batch-size", type=int, default=1, help="requests per generate call")
     report.add_argument("--dtype", default="float32")
     report.add_argument("--gsm8k", help="GSM8k folder (default: the copy shipped in the package)")
+    report.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (outputs must match)"
+    )
+    report.add_argument(
+        "--draft-method", choices=("greedy", "probabilistic"), default="greedy",
+        help="vLLM's draft_sample_method",
+    )  # fmt: skip
     report.add_argument("--out", type=Path, default=Path("runs/report"), help="output folder")
     report.set_defaults(func=_report)
 

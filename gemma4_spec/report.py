@@ -42,6 +42,11 @@ class ReportConfig:
     dtype: str = "float32"
     batch_size: int = 1
     gsm8k: str | None = None  # GSM8k folder; None: the copy shipped in the package
+    temperature: float = 0.0  # 0: greedy requests, whose outputs must match token for token
+    draft_method: str = "greedy"  # vLLM's draft_sample_method: "greedy" or "probabilistic"
+
+
+DRAFT_METHODS = ("greedy", "probabilistic")
 
 
 @dataclass
@@ -76,7 +81,13 @@ class Report:
         return self.speculative.acceptance
 
     @property
+    def greedy(self) -> bool:
+        return self.config.temperature == 0
+
+    @property
     def outputs_identical(self) -> bool:
+        """Whether both runs produced the same tokens (asked of greedy runs only: sampled runs
+        keep the distribution, not the draws)."""
         return self.plain.token_ids == self.speculative.token_ids
 
     @property
@@ -98,7 +109,9 @@ class Report:
             "k": self.config.k,
             "num_prompts": len(self.questions),
             "max_tokens": self.config.max_tokens,
-            "outputs_identical": self.outputs_identical,
+            "temperature": self.config.temperature,
+            "draft_method": self.config.draft_method,
+            "outputs_identical": self.outputs_identical if self.greedy else None,
             "acceptance": self.acceptance.as_dict(),
             "plain": _timing_dict(self.plain.timing),
             "speculative": _timing_dict(self.speculative.timing),
@@ -116,6 +129,12 @@ def check_config(config: ReportConfig) -> None:
     for name in ("k", "num_prompts", "max_tokens", "batch_size"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} must be at least 1, not {getattr(config, name)}")
+    if not config.temperature >= 0:
+        raise ValueError(f"temperature must be 0 (greedy) or more, not {config.temperature}")
+    if config.draft_method not in DRAFT_METHODS:
+        raise ValueError(
+            f"draft method must be one of {DRAFT_METHODS}, not {config.draft_method!r}"
+        )
     for role in ("target", "assistant"):
         where = getattr(config, role)
         if _is_local(where) and not (Path(where).expanduser() / "config.json").is_file():
@@ -191,9 +210,17 @@ def _run_engine(
         max_model_len=max(len(p) for p in prompts) + config.max_tokens + _LEN_MARGIN,
         extra_engine_kwargs={"skip_tokenizer_init": False},
     )
-    llm = LLM(**engine_kwargs(run_config))
+    kwargs = engine_kwargs(run_config)
+    if speculative and config.draft_method != "greedy":
+        kwargs["speculative_config"]["draft_sample_method"] = config.draft_method
+    llm = LLM(**kwargs)
     try:
-        params = SamplingParams(max_tokens=config.max_tokens, temperature=0.0, seed=0)
+        # Sampled requests carry no seed: a seeded request drafts greedily (seeded_drafts.py).
+        params = SamplingParams(
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            seed=0 if config.temperature == 0 else None,
+        )
         # Warm-up: first-call costs stay out of the timing, its drafts out of the counters.
         warm = SamplingParams(max_tokens=min(8, config.max_tokens), temperature=0.0)
         llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
@@ -255,11 +282,15 @@ def format_report(report: Report) -> str:
     """The figures as text, one per line."""
     acc = report.acceptance
     plain, spec = report.plain.timing, report.speculative.timing
+    config = report.config
+    requests = "greedy" if report.greedy else f"temperature {config.temperature:g}"
+    identical = "yes" if report.outputs_identical else "NO"
     lines = [
-        f"{len(report.questions)} prompts, max_tokens={report.config.max_tokens}, greedy, "
-        f"{report.config.dtype}, k={report.config.k}, batch size {report.config.batch_size}",
+        f"{len(report.questions)} prompts, max_tokens={config.max_tokens}, {requests}, "
+        f"{config.dtype}, k={config.k}, {config.draft_method} drafts, "
+        f"batch size {config.batch_size}",
         "outputs identical with and without speculation: "
-        + ("yes" if report.outputs_identical else "NO"),
+        + (identical if report.greedy else "not compared (sampled requests)"),
         "acceptance rate by draft position: "
         + ", ".join(f"{i + 1}: {r:.3f}" for i, r in enumerate(acc.rate_per_position)),
         f"drafted tokens accepted: {acc.num_accepted_tokens} / {acc.num_draft_tokens} "

@@ -59,6 +59,12 @@ def test_missing_assistant_is_rejected_before_any_engine(
         main(["report", "--target", str(target), "--assistant", "target/no-such-assistant"])
     with pytest.raises(ValueError, match="k must be at least 1"):
         main(["report", "--target", str(target), "--assistant", str(target), "--k", "0"])
+    with pytest.raises(ValueError, match="temperature must be 0"):
+        main(["report", "--target", str(target), "--assistant", str(target)]
+             + ["--temperature", "-0.5"])  # fmt: skip
+    with pytest.raises(SystemExit):  # argparse: not one of the draft methods
+        main(["report", "--target", str(target), "--assistant", str(target)]
+             + ["--draft-method", "sampled"])  # fmt: skip
 
 
 @pytest.mark.engine
@@ -113,3 +119,27 @@ def test_an_assistant_that_does_not_fit_is_rejected_before_any_engine() -> None:
     target, _ = tiny_gsm8k_pair()
     with pytest.raises(AssistantMismatchError):
         main(["report", "--target", str(target), "--assistant", str(target)])
+
+
+@pytest.mark.engine
+def test_sampled_report_with_probabilistic_drafts(tmp_path: Path) -> None:
+    # At temperature > 0 the two runs draw different tokens; the report measures acceptance
+    # and does not ask for equal outputs (its exit status is 0).
+    target, assistant = tiny_gsm8k_pair()
+    proc = subprocess.run(
+        [sys.executable, "-m", "gemma4_spec.cli", "report", "--k", "2"]
+        + ["--target", str(target), "--assistant", str(assistant)]
+        + ["--num-prompts", "2", "--max-tokens", "16", "--out", str(tmp_path)]
+        + ["--temperature", "1.0", "--draft-method", "probabilistic"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "temperature 1, " in proc.stdout and "probabilistic drafts" in proc.stdout
+    assert "not compared (sampled requests)" in proc.stdout
+    data = json.loads((tmp_path / JSON_NAME).read_text())
+    assert (data["temperature"], data["draft_method"]) == (1.0, "probabilistic")
+    assert data["outputs_identical"] is None
+    acc = data["acceptance"]
+    assert acc["num_draft_tokens"] == 2 * acc["num_drafts"] > 0
