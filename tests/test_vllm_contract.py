@@ -261,9 +261,12 @@ CONTRACTS: tuple[Contract, ...] = (
     Attributes("vllm.v1.utils:CpuGpuBuffer", ("gpu", "np", "copy_to_gpu")),
     Attributes("vllm.v1.core.sched.output:SchedulerOutput", ("scheduled_spec_decode_tokens",)),
     # spec_decode/computed_tokens.py: the correction we wrap is called with tensors by
-    # position, the runner's own counts first.
+    # position, the runner's own counts first. Read where vLLM defines it: the runner module's
+    # name is ours once the plugin has patched it (as it has, in this process, after any test
+    # that applied the patches).
+    Exists(f"{RUNNER_MODULE}:update_num_computed_tokens_for_batch_change", "callable"),
     Params(
-        f"{RUNNER_MODULE}:update_num_computed_tokens_for_batch_change",
+        "vllm.v1.spec_decode.utils:update_num_computed_tokens_for_batch_change",
         positional=("num_computed_tokens",),
         keywords=(
             "num_accepted_tokens",
