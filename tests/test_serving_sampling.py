@@ -14,22 +14,22 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from test_serving import MODEL, Server, _logs_on_failure, _start, _stop, _tokenizer, _wait_healthy
 
-from gemma4_spec.assets import tiny_gsm8k_pair
+# ``servers``: the same plain and speculative servers as the serving test (module-scoped).
+from test_serving import MODEL, Server, _logs_on_failure, _tokenizer, servers  # noqa: F401
+
 from gemma4_spec.training.tokenizer import chat_prompt
 
 pytestmark = pytest.mark.engine
 
 STREAMS = 64
 MAX_TOKENS = 24
-START_TIMEOUT_S = 420.0
 BURST_TIMEOUT_S = 300.0
 QUESTIONS = (
     "A baker makes 24 muffins and sells 3 boxes of 6 muffins. How many muffins are left?",
@@ -89,24 +89,10 @@ def _healthy(server: Server) -> bool:
         return answer.status == 200
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Server]]:
-    target, assistant = tiny_gsm8k_pair()
-    log_dir = tmp_path_factory.mktemp("servers")
-    started: dict[str, Server] = {}
-    try:
-        started["plain"] = _start("plain", target, log_dir, None)
-        started["spec"] = _start("spec", target, log_dir, assistant)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for server in started.values():
-            _wait_healthy(server, deadline)
-        yield started
-    finally:
-        for server in started.values():
-            _stop(server)
-
-
-def test_64_mixed_streams(servers: dict[str, Server], report_figure: Callable[[str], None]) -> None:
+def test_64_mixed_streams(
+    servers: dict[str, Server],  # noqa: F811 (the fixture imported above)
+    report_figure: Callable[[str], None],
+) -> None:
     spec, plain = servers["spec"], servers["plain"]
     jobs = [
         (KINDS[i % len(KINDS)][0], (i // len(KINDS)) % len(QUESTIONS), KINDS[i % len(KINDS)][1])
