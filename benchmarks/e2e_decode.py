@@ -244,30 +244,20 @@ def main() -> int:
     for index, (name, config) in enumerate(configs.items()):
         turns.start(
             name,
-            lambda i, config=config: (
-                [
-                    sys.executable,
-                    __file__,
-                    "--worker",
-                    "--workdir",
-                    args.workdir,
-                    "--control",
-                    str(turns.control),
-                    "--index",
-                    str(i),
-                    "--out",
-                    str(turns.control / f"{i}.json"),
-                    "--batch",
-                    args.batch,
-                    "--spec-tokens",
-                    str(config["k"]),
-                    "--rounds",
-                    str(args.rounds),
-                    "--start-timeout",
-                    str(args.start_timeout),
-                ]
-                + ["--scopes"] * args.scopes
-            ),  # fmt: skip
+            __file__,
+            [
+                "--workdir",
+                args.workdir,
+                "--batch",
+                args.batch,
+                "--spec-tokens",
+                str(config["k"]),
+                "--rounds",
+                str(args.rounds),
+                "--start-timeout",
+                str(args.start_timeout),
+            ]
+            + ["--scopes"] * args.scopes,  # fmt: skip
             engine_env(config["env"], Path(args.workdir) / f"cache-{index}"),
         )
     turns.wait_ready(args.start_timeout)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +40,14 @@ class EngineTurns:
             stale.unlink()
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, command: Callable[[int], list[str]], env: dict[str, str]) -> None:
-        """Start the next engine, ``i``: ``command(i)`` runs it; its output goes to
-        ``engine-<i>.log`` in the control folder."""
+    def start(self, name: str, script: str, args: list[str], env: dict[str, str]) -> None:
+        """Start the next engine, ``i``: ``script --worker --control C --index i --out C/i.json``
+        then ``args``; its output goes to ``engine-<i>.log`` in the control folder ``C``."""
         i = len(self._procs)
+        command = [sys.executable, script, "--worker", "--control", str(self.control),
+                   "--index", str(i), "--out", str(self.control / f"{i}.json"), *args]  # fmt: skip
         log = open(self.control / f"engine-{i}.log", "w")  # noqa: SIM115
-        proc = subprocess.Popen(command(i), env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         self._procs.append((name, proc))
 
     def _fail(self, i: int, what: str) -> None:

@@ -224,22 +224,14 @@ def main() -> int:
     for index, (name, config) in enumerate(configs.items()):
         turns.start(
             name,
-            lambda i, config=config: [
-                sys.executable,
-                __file__,
-                "--worker",
+            __file__,
+            [
                 "--pair",
                 args.pair,
                 "--workdir",
                 str(workdir),
                 "--config",
                 json.dumps(config),
-                "--control",
-                str(turns.control),
-                "--index",
-                str(i),
-                "--out",
-                str(turns.control / f"{i}.json"),
                 "--batch",
                 args.batch,
                 "--rounds",
