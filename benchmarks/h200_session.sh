@@ -24,6 +24,8 @@
 #               E2E_TAIL=<lines> of the log shown)
 #   4. profile  (no carry, optional): torch.profiler of ours (k=2) and of plain V1, batch 1,
 #               with where the GPU idles waiting on the host
+#   profile-real: torch.profiler of real_work.py's engine variants on the trained pair (or
+#         e2b), B = 1 and 16, k = 3, engines started side by side and measured in turn
 #   real: the real-work benchmark (benchmarks/real_work.py; REAL_PAIR=e2b|trained,
 #         REAL_ARGS=<more arguments>), after 'install' or 'engine' in an earlier call
 # With 30 MiB parts: 'part' calls carry one part each (copied to /tmp/stage); the call that
@@ -33,7 +35,7 @@
 # ('install' is step 2 without its tests, to chain another step in the same call.)
 # Only committed code should be on the tree that travels: a half-written kernel breaks step 2.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|e2e|real|profile}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|e2e|real|profile|profile-real}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # Optional: committed copies of files to run instead of the tree's (e.g. while the kernels are
@@ -134,6 +136,26 @@ profile)  # ours k=2 and plain V1 at batch 1 (PROFILE_RUNS picks others)
         echo "profile $run rc=$?"; sed -n '/^decode step/p;/^per decode step/,/CPU busy/p' \
             "$OUT/profile_$run.log"
         sed -n '/^GPU timeline/,/^$/p' "$OUT/profile_$run.log"
+    done
+    ;;
+profile-real)  # torch.profiler per engine variant (profile_decode.py), started side by side,
+    # measured one at a time: PROFILE_VARIANTS (name[:draft-argmax] ...), PROFILE_PAIR,
+    # PROFILE_K, PROFILE_BATCH
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    variants=${PROFILE_VARIANTS:-plain in-tree ours-V2 ours-V2:full-logits ours-V1}
+    for spec in $variants; do
+        v=${spec%%:*}; argmax=ours; [ "$v" != "$spec" ] && argmax=${spec#*:}
+        VLLM_CACHE_ROOT=/tmp/prof-cache-$v-$argmax timeout "${PROFILE_TIMEOUT:-520}" \
+            python3 benchmarks/profile_decode.py --pair "${PROFILE_PAIR:-trained}" \
+            --variant "$v" --draft-argmax "$argmax" --k "${PROFILE_K:-3}" \
+            --batch "${PROFILE_BATCH:-1,16}" --lock /tmp/profile.lock --workdir /tmp/real \
+            > "$OUT/profile_${v}_$argmax.log" 2>&1 &
+    done
+    wait
+    for spec in $variants; do
+        v=${spec%%:*}; argmax=ours; [ "$v" != "$spec" ] && argmax=${spec#*:}
+        sed -n '/^=====/p;/^per output token/,/CPU busy/p;/^GPU timeline/,/^$/p' \
+            "$OUT/profile_${v}_$argmax.log"
     done
     ;;
 *) echo "unknown step $step"; exit 2 ;;

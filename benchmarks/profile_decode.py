@@ -1,16 +1,22 @@
-"""Profile decode steps of one engine (E2B-shaped pair from ``e2e_decode.py``): where the time of
-a step goes, CPU and GPU, with torch.profiler. For finding overheads, not for figures.
+"""Profile decode steps of one engine: where the time of a step goes, CPU and GPU, with
+torch.profiler. For finding overheads, not for figures. The pairs and engine variants are
+``real_work.py``'s (``--pair trained``: the shipped pair, real acceptance; ``e2b``: random
+E2B-shaped weights, nothing accepted).
 
-    python benchmarks/profile_decode.py --workdir /tmp/e2b [--k 2] [--batch 1] [--in-tree]
+    python benchmarks/profile_decode.py --pair trained --variant ours-V2 --k 3 --batch 16
         [--trace out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
+import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,28 +25,89 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", default="/tmp/e2b-shaped")
+    parser.add_argument("--pair", choices=("e2b", "trained"), default="e2b")
+    parser.add_argument("--variant", default="ours-V1", help="plain, in-tree, ours-V1, ours-V2")
+    parser.add_argument("--workdir", default="/tmp/real-work")
     parser.add_argument("--k", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batch", default="1", help="comma-separated batch sizes")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs before profiling")
+    parser.add_argument("--lock", default=None, help="measure under this file lock")
+    parser.add_argument(
+        "--draft-argmax",
+        choices=("ours", "centroid-major", "full-logits"),
+        default="ours",
+        help="diagnostic: the greedy draft through our kernel's auto path, its centroid-major "
+        "path only, or full-vocabulary logits and argmax (in this process)",
+    )
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--in-tree", action="store_true", help="vLLM's own gemma4_mtp (V2)")
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=45)
     args = parser.parse_args()
+    import real_work
+
+    if args.variant != "plain" and args.variant not in real_work.VARIANTS:
+        parser.error(f"--variant: plain or one of {sorted(real_work.VARIANTS)}")
+    os.environ.update(
+        real_work.VARIANTS.get(args.variant, {"env": {"VLLM_PLUGINS": "none"}})["env"]
+    )
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # the runner's scopes
-    if args.in_tree:
-        os.environ["VLLM_PLUGINS"] = "none"
+    from vllm import LLM
+
+    target, assistant = real_work._pair(args.pair, Path(args.workdir))
+    kwargs: dict[str, Any] = dict(real_work.ENGINE, model=str(target))
+    kwargs["skip_tokenizer_init"] = args.pair == "e2b"
+    if args.variant != "plain":
+        kwargs["speculative_config"] = {
+            "method": "gemma4_mtp",
+            "model": str(assistant),
+            "num_speculative_tokens": args.k,
+        }
+    _choose_draft_argmax(args.draft_argmax)
+    llm = LLM(**kwargs)
+    batches = [int(b) for b in args.batch.split(",")]
+    all_prompts = real_work._prompts(args.pair, target, max(batches))
+    for batch in batches:
+        with _exclusive(args.lock):
+            _profile_batch(llm, all_prompts[:batch], args, batch)
+
+
+def _choose_draft_argmax(choice: str) -> None:
+    """Replaces the assistant's greedy draft in this process (the engine core runs here)."""
+    if choice == "ours":
+        return
+    from gemma4_spec.models.gemma4_mtp import Gemma4AssistantForDrafting
+    from gemma4_spec.ops.centroid_argmax_triton import centroid_argmax_fused
+
+    def get_top_tokens(self: Any, hidden_states: Any) -> Any:
+        mask = self._centroid_mask()
+        if choice == "full-logits" or mask is None:
+            return self.compute_logits(hidden_states).argmax(dim=-1)
+        return centroid_argmax_fused(mask, hidden_states, self.lm_head.weight, path="centroid")
+
+    Gemma4AssistantForDrafting.get_top_tokens = get_top_tokens  # type: ignore[method-assign]
+    print(f"diagnostic: greedy drafts through {choice}", flush=True)
+
+
+@contextlib.contextmanager
+def _exclusive(lock: str | None) -> Iterator[None]:
+    """With ``--lock``, engines started side by side measure one at a time (start-up overlaps,
+    the measured steps do not share the host)."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _profile_batch(llm: Any, prompts: list[Any], args: argparse.Namespace, batch: int) -> None:
+    import real_work
     import torch
-    from e2e_decode import NEW_TOKENS, PROMPT_LEN, engine_kwargs
-    from vllm import LLM, SamplingParams
-
-    from gemma4_spec.testing.e2b_shaped import build_e2b_shaped_pair
-
-    build_e2b_shaped_pair(args.workdir)
-    llm = LLM(**engine_kwargs(args.workdir, args.k))
-    prompts = [{"prompt_token_ids": [(7 * i + 13 * j) % 200_000 + 10 for j in range(PROMPT_LEN)]}
-               for i in range(args.batch)]  # fmt: skip
+    from vllm import SamplingParams
 
     def run(tokens: int) -> float:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
@@ -49,8 +116,14 @@ def main() -> None:
         return time.perf_counter() - start
 
     run(8)
-    step = (run(1 + NEW_TOKENS) - run(1)) / NEW_TOKENS * 1e3
-    print(f"decode step {step:.3f} ms (k={args.k}, B={args.batch})", flush=True)
+    new_tokens = real_work.NEW_TOKENS
+    steps = sorted((run(1 + new_tokens) - run(1)) / new_tokens * 1e3 for _ in range(args.repeats))
+    print(
+        f"\n===== {args.variant} ({args.draft_argmax}) k={args.k} B={batch}: "
+        "ms per output token of a request, "
+        f"median {statistics.median(steps):.3f} (of {', '.join(f'{x:.3f}' for x in steps)})",
+        flush=True,
+    )
 
     def profiled(tokens: int) -> Any:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -58,7 +131,7 @@ def main() -> None:
             run(tokens)
         return prof
 
-    # Per decode step: a run of 1 + N tokens minus a run of 1 (the prefill), divided by N.
+    # Per output token: a run of 1 + N tokens minus a run of 1 (the prefill), divided by N.
     base = _totals(profiled(1).key_averages())
     prof = profiled(1 + args.tokens)
     table = prof.key_averages()
@@ -69,13 +142,13 @@ def main() -> None:
         for name, row in _totals(table).items()
     }
     _print_step_summary(per_step)
-    _print_gpu_idle(prof.events(), args.rows)
+    _print_gpu_idle(prof.events(), args.rows, args.tokens)
     print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
     print(
         table.table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=70)
     )
     if args.trace:
-        prof.export_chrome_trace(args.trace)
+        prof.export_chrome_trace(args.trace.replace(".json", f"-b{batch}.json"))
 
 
 def _totals(table: Any) -> dict[str, tuple[float, float, float, float, float]]:
@@ -103,7 +176,7 @@ SYNCS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize
 def _print_step_summary(per_step: dict[str, tuple[float, ...]]) -> None:
     """Per decode step: the runner's and our scopes (CPU time inside each), GPU busy time, and
     the launches and host syncs the CPU made."""
-    print("\nper decode step (profiled; the profiler slows the CPU side):")
+    print("\nper output token of a request (profiled; the profiler slows the CPU side):")
     for name in sorted(per_step):
         calls, cpu_total = per_step[name][:2]
         if name.startswith(SCOPES) and calls > 0:
@@ -124,7 +197,7 @@ def _print_step_summary(per_step: dict[str, tuple[float, ...]]) -> None:
     print(f"  CPU busy (sum of self CPU time)             {cpu:9.1f} us\n", flush=True)
 
 
-def _print_gpu_idle(events: Any, rows: int) -> None:
+def _print_gpu_idle(events: Any, rows: int, tokens: int) -> None:
     """Where the GPU waits on the host during the decode steps: the idle gaps between device
     events (kernels, copies, memsets; graph replays show their kernels), each charged to the
     innermost runner or gemma4_spec scope the CPU was in when the gap ended (the work that
@@ -137,10 +210,13 @@ def _print_gpu_idle(events: Any, rows: int) -> None:
         if str(e.device_type).endswith("CUDA") and e.name not in cpu_names
     )
     forwards = sorted(e.time_range.start for e in cpu if e.name == "gpu_model_runner: forward")
-    if len(forwards) < 3 or not device:
-        print("GPU idle: too few decode steps in the profile\n")
+    if not device:
+        print("GPU idle: no device events in the profile\n")
         return
-    start, end, steps = forwards[1], device[-1][1], len(forwards) - 1  # skip the prefill step
+    if len(forwards) >= 3:
+        start, end, steps = forwards[1], device[-1][1], len(forwards) - 1  # skip the prefill
+    else:  # Model Runner V2 has no runner scopes: the whole run, per output token
+        start, end, steps = device[0][0], device[-1][1], tokens
     scopes = [e for e in cpu if e.name.startswith(SCOPES)]
     idle_by_scope: dict[str, float] = {}
     busy = idle = 0.0
@@ -164,7 +240,8 @@ def _print_gpu_idle(events: Any, rows: int) -> None:
         cursor = hi
     span = end - start
     print(
-        f"GPU timeline over {steps} decode steps: {span / steps:.1f} us per step, "
+        f"GPU timeline over {steps} decode steps (or output tokens, without the runner's "
+        f"scopes): {span / steps:.1f} us per step, "
         f"GPU busy {busy / steps:.1f} us, idle {idle / steps:.1f} us ({idle / span:.0%})"
     )
     print("GPU idle per step, by the CPU scope in which the idle gap ended:")
