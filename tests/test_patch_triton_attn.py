@@ -173,10 +173,11 @@ def test_disabled_by_environment(vllm_026: None, monkeypatch: pytest.MonkeyPatch
     assert patch_triton_attn._make_flat_verify(_builder()) is None
 
 
-def test_disabled_on_model_runner_v2(vllm_026: None) -> None:
-    assert patch_triton_attn._make_flat_verify(_builder()) is not None
-    builder = _builder(**{"vllm_config.use_v2_model_runner": True})
-    assert patch_triton_attn._make_flat_verify(builder) is None
+def test_enabled_on_both_model_runners(vllm_026: None) -> None:
+    # Both runners build a step's metadata before replaying the graph that reads it.
+    for v2 in (False, True):
+        builder = _builder(**{"vllm_config.use_v2_model_runner": v2})
+        assert patch_triton_attn._make_flat_verify(builder) is not None
 
 
 def test_disabled_on_untested_vllm_versions() -> None:

@@ -27,6 +27,13 @@ def test_configurations_cover_every_profile_k_and_variant() -> None:
     assert configs["in-tree k=3 zero"]["env"] == {"VLLM_PLUGINS": "none"}
 
 
+def test_probabilistic_drafts_only_on_speculative_engines() -> None:
+    configs = real_work.configurations([3], ["real"], ["in-tree", "ours-V2"], "probabilistic")
+    assert "draft_sample_method" not in configs["plain"].get("spec", {})
+    for name in ("in-tree k=3 real", "ours-V2 k=3 real"):
+        assert configs[name]["spec"] == {"draft_sample_method": "probabilistic"}
+
+
 def _runs(tokens_per_s: list[float], length: float | None) -> list[dict]:
     return [
         {"tokens_per_s": t, "mean_accepted_length": length, "token_ids": [[1, 2], [3]]}

@@ -20,9 +20,12 @@ another, so that mode turns it off. Also off for: CPU, other speculative methods
 than the decode kernel takes (``seq_threshold_3D``) or than ``FLAT_VERIFY_MAX_TOKENS`` (where
 the split no longer pays), cascade attention, multimodal prefix ranges, rolling sliding
 windows, decode context parallelism, micro-batching, KV-sharing fast prefill (its metadata
-derives logits indices from the query layout), the experimental Model Runner V2 path
-(``patch_vllm_config``), vLLM versions other than ``compat.FLAT_VERIFY_VLLM``, and with
-``GEMMA4_SPEC_FLAT_VERIFY=0``.
+derives logits indices from the query layout), vLLM versions other than
+``compat.FLAT_VERIFY_VLLM``, and with ``GEMMA4_SPEC_FLAT_VERIFY=0``.
+
+Both model runners: each builds the step's metadata through ``build`` before it replays a full
+graph (V2 also for its speculator's draft prefill, which reuses the target's metadata), so the
+flattened buffers are written before every replay that reads them.
 vLLM versions: 0.26 (the class and the fields rewritten exist in 0.26 - 0.33).
 """
 
@@ -147,7 +150,6 @@ def _make_flat_verify(builder: Any) -> FlatVerify | None:
         or builder.device.type != "cuda"
         or spec is None
         or not drafts_with_gemma4_mtp(config)  # vLLM renames the method "mtp"
-        or getattr(config, "use_v2_model_runner", False)  # V2 captures its own way: untested
         or not flat_verify_supported()
         or config.compilation_config.cudagraph_mode.mixed_mode() == CUDAGraphMode.FULL
         or getattr(parallel, "decode_context_parallel_size", 1) > 1
