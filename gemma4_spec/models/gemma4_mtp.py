@@ -43,6 +43,7 @@ from vllm.sequence import IntermediateTensors
 
 from gemma4_spec.ops.centroid_argmax import CentroidMask, masked_logits
 from gemma4_spec.ops.centroid_argmax_triton import centroid_argmax_fused
+from gemma4_spec.ops.vocab_argmax_triton import vocab_argmax
 from gemma4_spec.validation import SLIDING_ATTENTION, kv_source_layers, layer_attention_shape
 
 # (checkpoint name fragment, our parameter fragment, shard id) for stacked parameters.
@@ -325,12 +326,14 @@ class Gemma4AssistantForDrafting(nn.Module):
         return logits
 
     def get_top_tokens(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens; with centroid masking, no full-vocab tensor is built.
+        """Greedy draft tokens, ``compute_logits(...).argmax(-1)`` without a full-vocab tensor:
+        the argmax over the top-k centroids' tokens, or, without centroids, over the whole
+        vocabulary in one kernel; suppressed tokens are never drafted.
 
         Soft-capping is monotonic, so the argmax does not need it."""
         mask = self._centroid_mask()
         if mask is None:
-            return self.compute_logits(hidden_states).argmax(dim=-1)
+            return vocab_argmax(hidden_states, self.lm_head.weight, self.suppressed_tokens)
         return centroid_argmax_fused(mask, hidden_states, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
