@@ -85,7 +85,9 @@ def _bias(module):
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
         if draft_probs is None and not sampling_metadata.all_greedy:
             drafts = metadata.draft_token_ids.long()
-            draft_probs = torch.zeros(drafts.shape[0], logits.shape[1])
+            draft_probs = torch.zeros(
+                drafts.shape[0], logits.shape[1], device=logits.device
+            )
             draft_probs[torch.arange(drafts.shape[0]), drafts] = {BIASED_DRAFT_PROB}
         return vllms(self, metadata, draft_probs, logits, sampling_metadata)
 
