@@ -216,10 +216,18 @@ def _family(table: Mapping[str, Family], family: str) -> Family:
 
 
 def build_family_pair(
-    family: str, out_dir: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32
+    family: str,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    centroids: bool | None = None,
 ) -> tuple[Path, Path]:
     """Write a random tiny ``out_dir/target`` (``gemma4_text``) shaped like ``family`` and its
-    "copy" assistant ``out_dir/assistant``; returns both paths. Deterministic from ``seed``."""
+    "copy" assistant ``out_dir/assistant``; returns both paths. Deterministic from ``seed``.
+
+    ``centroids`` gives the assistant the other draft head than the family's own (None keeps
+    it), e.g. a full-vocabulary E4B assistant, which vLLM's in-tree version runs on CPU."""
     shape = _family(TINY, family)
     out = Path(out_dir)
     target = build_tiny_target(
@@ -235,7 +243,7 @@ def build_family_pair(
     assistant = build_tiny_assistant(
         out / "assistant",
         target,
-        centroids=shape.centroids,
+        centroids=shape.centroids if centroids is None else centroids,
         style="copy",
         seed=seed,
         dtype=dtype,
