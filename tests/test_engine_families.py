@@ -21,8 +21,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from gemma4_spec.testing.engine_run import (
     IN_TREE_PROPOSER,
@@ -32,6 +30,7 @@ from gemma4_spec.testing.engine_run import (
     generate_in_subprocess,
 )
 from gemma4_spec.testing.families import FAMILIES, build_family_pair
+from gemma4_spec.testing.tiny import hf_greedy_tokens
 
 pytestmark = pytest.mark.engine
 
@@ -105,21 +104,7 @@ def test_plain_vllm_matches_transformers(
 ) -> None:
     """The baseline is the model transformers means: vLLM reads each family's checkpoint
     (k_eq_v, MoE, KV sharing, per-layer inputs) as transformers runs it."""
-    model = AutoModelForCausalLM.from_pretrained(
-        pairs[family][0], dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    expected = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-            )
-        expected.append(out[0, len(prompt) :].tolist())
+    expected = hf_greedy_tokens(pairs[family][0], prompts, MAX_TOKENS)
     assert runs[f"plain-{family}"].token_ids == expected
     assert all(len(set(tokens)) > MAX_TOKENS // 2 for tokens in expected)  # not degenerate
 

@@ -67,15 +67,23 @@ class Family:
     """One size's structure, at some widths."""
 
     layer_types: tuple[str, ...]
-    num_kv_shared_layers: int
-    hidden_size_per_layer_input: int
     # Further Gemma4TextConfig fields of the target (widths, heads, k_eq_v, MoE).
     target: Mapping[str, Any]
-    assistant: AssistantShape
-    centroids: bool
+    assistant: AssistantShape = AssistantShape()
+    centroids: bool = False
+    num_kv_shared_layers: int = 0
+    hidden_size_per_layer_input: int = 0
 
 
-_REAL_ASSISTANT_LAYERS = (SLIDING, SLIDING, SLIDING, FULL)
+# 26B-A4B's and 31B's full-attention layers share K and V, with fewer KV heads than sliding ones.
+_K_EQ_V = dict(attention_k_eq_v=True)
+# The assistants of 26B-A4B and 31B.
+_LARGE_ASSISTANT = AssistantShape(
+    hidden_size=1024,
+    intermediate_size=8192,
+    layer_types=(SLIDING, SLIDING, SLIDING, FULL),
+    initializer_range=0.02,
+)
 
 # The published figures (config.json of google/gemma-4-E4B-it, -26B-A4B-it, -31B-it and their
 # assistants).
@@ -83,71 +91,49 @@ REAL: Mapping[str, Family] = MappingProxyType(
     {
         "e4b": Family(
             layer_types=_five_to_one(42),
-            num_kv_shared_layers=18,
-            hidden_size_per_layer_input=256,
-            target=MappingProxyType(
-                dict(hidden_size=2560, intermediate_size=10240, num_key_value_heads=2)
-            ),
+            target=dict(hidden_size=2560, intermediate_size=10240, num_key_value_heads=2),
             assistant=AssistantShape(
                 hidden_size=256,
                 intermediate_size=2048,
-                layer_types=_REAL_ASSISTANT_LAYERS,
+                layer_types=_LARGE_ASSISTANT.layer_types,
                 num_attention_heads=4,
                 num_centroids=2048,
                 centroid_top_k=32,
                 initializer_range=0.02,
             ),
             centroids=True,
+            num_kv_shared_layers=18,
+            hidden_size_per_layer_input=256,
         ),
         "26b-a4b": Family(
             layer_types=_five_to_one(30),
-            num_kv_shared_layers=0,
-            hidden_size_per_layer_input=0,
-            target=MappingProxyType(
-                dict(
-                    hidden_size=2816,
-                    intermediate_size=2112,
-                    num_attention_heads=16,
-                    num_key_value_heads=8,
-                    num_global_key_value_heads=2,
-                    attention_k_eq_v=True,
-                    sliding_window=1024,
-                    enable_moe_block=True,
-                    num_experts=128,
-                    top_k_experts=8,
-                    moe_intermediate_size=704,
-                )
+            target=dict(
+                hidden_size=2816,
+                intermediate_size=2112,
+                num_attention_heads=16,
+                num_key_value_heads=8,
+                num_global_key_value_heads=2,
+                sliding_window=1024,
+                enable_moe_block=True,
+                num_experts=128,
+                top_k_experts=8,
+                moe_intermediate_size=704,
+                **_K_EQ_V,
             ),
-            assistant=AssistantShape(
-                hidden_size=1024,
-                intermediate_size=8192,
-                layer_types=_REAL_ASSISTANT_LAYERS,
-                initializer_range=0.02,
-            ),
-            centroids=False,
+            assistant=_LARGE_ASSISTANT,
         ),
         "31b": Family(
             layer_types=_five_to_one(60),
-            num_kv_shared_layers=0,
-            hidden_size_per_layer_input=0,
-            target=MappingProxyType(
-                dict(
-                    hidden_size=5376,
-                    intermediate_size=21504,
-                    num_attention_heads=32,
-                    num_key_value_heads=16,
-                    num_global_key_value_heads=4,
-                    attention_k_eq_v=True,
-                    sliding_window=1024,
-                )
+            target=dict(
+                hidden_size=5376,
+                intermediate_size=21504,
+                num_attention_heads=32,
+                num_key_value_heads=16,
+                num_global_key_value_heads=4,
+                sliding_window=1024,
+                **_K_EQ_V,
             ),
-            assistant=AssistantShape(
-                hidden_size=1024,
-                intermediate_size=8192,
-                layer_types=_REAL_ASSISTANT_LAYERS,
-                initializer_range=0.02,
-            ),
-            centroids=False,
+            assistant=_LARGE_ASSISTANT,
         ),
     }
 )
@@ -156,54 +142,35 @@ REAL: Mapping[str, Family] = MappingProxyType(
 # window (16); backbones wider than the 64-wide assistant by ratios near the real ones. 8 query
 # heads, so that 26B-A4B's and 31B's KV heads keep the real split: half as many as query heads on
 # sliding layers, an eighth on full ones.
+_TINY_K_EQ_V_HEADS = dict(
+    num_attention_heads=8, num_key_value_heads=4, num_global_key_value_heads=1, **_K_EQ_V
+)
 TINY: Mapping[str, Family] = MappingProxyType(
     {
         "e4b": Family(
             layer_types=_five_to_one(12),
-            num_kv_shared_layers=6,
-            hidden_size_per_layer_input=16,
-            target=MappingProxyType(dict(num_attention_heads=8, num_key_value_heads=2)),
+            target=dict(num_attention_heads=8, num_key_value_heads=2),
             assistant=AssistantShape(num_attention_heads=4),
             centroids=True,
+            num_kv_shared_layers=6,
+            hidden_size_per_layer_input=16,
         ),
         "26b-a4b": Family(
             layer_types=_five_to_one(12),
-            num_kv_shared_layers=0,
-            hidden_size_per_layer_input=0,
-            target=MappingProxyType(
-                dict(
-                    # vLLM's CPU MoE kernels need widths divisible by 32.
-                    hidden_size=192,
-                    intermediate_size=128,
-                    num_attention_heads=8,
-                    num_key_value_heads=4,
-                    num_global_key_value_heads=1,
-                    attention_k_eq_v=True,
-                    enable_moe_block=True,
-                    num_experts=4,
-                    top_k_experts=2,
-                    moe_intermediate_size=64,
-                )
+            target=dict(
+                # vLLM's CPU MoE kernels need widths divisible by 32.
+                hidden_size=192,
+                intermediate_size=128,
+                enable_moe_block=True,
+                num_experts=4,
+                top_k_experts=2,
+                moe_intermediate_size=64,
+                **_TINY_K_EQ_V_HEADS,
             ),
-            assistant=AssistantShape(),
-            centroids=False,
         ),
         "31b": Family(
             layer_types=_five_to_one(12),
-            num_kv_shared_layers=0,
-            hidden_size_per_layer_input=0,
-            target=MappingProxyType(
-                dict(
-                    hidden_size=256,
-                    intermediate_size=512,
-                    num_attention_heads=8,
-                    num_key_value_heads=4,
-                    num_global_key_value_heads=1,
-                    attention_k_eq_v=True,
-                )
-            ),
-            assistant=AssistantShape(),
-            centroids=False,
+            target=dict(hidden_size=256, intermediate_size=512, **_TINY_K_EQ_V_HEADS),
         ),
     }
 )

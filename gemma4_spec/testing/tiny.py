@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     Gemma4AssistantConfig,
     Gemma4AssistantForCausalLM,
     Gemma4Config,
@@ -54,6 +55,7 @@ __all__ = [
     "build_tiny_target",
     "default_layer_types",
     "hf_draft_step",
+    "hf_greedy_tokens",
     "is_unit_scale",
     "target_text_config",
 ]
@@ -599,3 +601,26 @@ def hf_draft_step(
         token_id=int(token.item()),
         target_hidden=hidden,
     )
+
+
+def hf_greedy_tokens(
+    target_path: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Reference for plain decoding: transformers' greedy continuation of each prompt (float32,
+    eager attention, no end-of-sequence stop), through the checkpoint's own architecture."""
+    model = AutoModelForCausalLM.from_pretrained(
+        target_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tokens = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+            )
+        tokens.append(out[0, ids.shape[1] :].tolist())
+    return tokens
