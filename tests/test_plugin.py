@@ -293,7 +293,7 @@ def _patched_config_module() -> ModuleType:
 @pytest.mark.parametrize(
     ("method", "env", "default", "expected"),
     [
-        ("gemma4_mtp", None, True, False),  # the case the patch exists for: V2 default -> V1
+        ("gemma4_mtp", None, True, True),  # DEFAULT_RUNNER "V2": vLLM's choice stands
         ("gemma4_mtp", "0", True, False),
         ("eagle", None, True, True),  # other methods keep vLLM's choice
         (None, None, True, True),
@@ -302,7 +302,7 @@ def _patched_config_module() -> ModuleType:
         ("gemma4_mtp", "0", False, False),
     ],
 )
-def test_gemma4_mtp_selects_the_v1_runner(
+def test_gemma4_mtp_runner_choice(
     monkeypatch: pytest.MonkeyPatch,
     method: str | None,
     env: str | None,

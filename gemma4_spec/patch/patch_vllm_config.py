@@ -8,9 +8,10 @@ Runner V2, where vLLM's ``Gemma4Speculator`` drafts with this plugin's assistant
 set, as everywhere in vLLM. When it is unset and the engine drafts with gemma4_mtp
 (``SpeculativeConfig.use_gemma4_mtp()``), the runner is ``DEFAULT_RUNNER``, the one
 ``benchmarks/real_work.py`` measured faster on real work (the README has the figures); the
-first time that choice overrides vLLM's in a process we log it. The CPU runner is V1 whatever
-this says. vLLM versions: 0.26 - 0.33 (the property reads the same environment variable in all
-of them).
+first time that choice overrides vLLM's in a process we log it. Today that is V2, vLLM's own
+choice, so the wrapper changes nothing unless ``DEFAULT_RUNNER`` says "V1". The CPU runner is
+V1 whatever this says. vLLM versions: 0.26 - 0.33 (the property reads the same environment
+variable in all of them).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gemma4_spec.patch.hooks import is_ours, ours
 CONFIG_MODULE = "vllm.config.vllm"
 GEMMA4_MTP = "gemma4_mtp"
 # "V1" or "V2": gemma4_mtp's runner when VLLM_USE_V2_MODEL_RUNNER is unset.
-DEFAULT_RUNNER = "V1"
+DEFAULT_RUNNER = "V2"
 
 logger = get_logger(__name__)
 _logged = False
