@@ -1,0 +1,116 @@
+"""The E4B, 26B-A4B and 31B-shaped tiny pairs (``gemma4_spec.testing.families``) on a CUDA GPU
+with CUDA graphs, float32: greedy speculative decoding with our plugin gives exactly the tokens
+of decoding without speculation, on Model Runner V2 (the plugin's default GPU runner) and on the
+V1 runner (our proposer, its whole-loop draft graphs). The no-centroid assistants (26B-A4B, 31B)
+draft through the full-vocabulary argmax kernel (``ops/vocab_argmax_triton.py``).
+
+vLLM's own V1 path is reported to crash at start-up on the 26B-A4B pair ("a and b must have same
+reduction dim", vllm#48848); ``test_in_tree_v1_on_26b`` runs it on the tiny 26B shape and
+reports what it does, beside ours, which must run.
+
+Skipped without CUDA (CI and the CPU machines); run on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from gemma4_spec.testing.engine_run import RunConfig, RunResult, generate_in_subprocess
+from gemma4_spec.testing.families import FAMILIES, build_family_pair
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+GPU_ENGINE = {"attention_config": {"backend": "TRITON_ATTN"}, "kv_cache_memory_bytes": 1 << 30}
+PROMPT_LENGTHS = (5, 21, 33, 40)
+MAX_TOKENS = 32
+K = 3
+RUNNERS = {"V1": "0", "V2": "1"}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("gpu-families")
+    return {family: build_family_pair(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(4321)
+    return [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def _config(target: Path, prompts: list[list[int]], assistant: Path | None) -> RunConfig:
+    return RunConfig(
+        target=str(target),
+        prompts=prompts,
+        assistant=None if assistant is None else str(assistant),
+        num_speculative_tokens=K,
+        max_tokens=MAX_TOKENS,
+        enforce_eager=False,
+        extra_engine_kwargs=GPU_ENGINE,
+    )
+
+
+def _on_runner(
+    runner: str, configs: list[RunConfig], plugins: str | None = None
+) -> list[RunResult]:
+    """Engines on one model runner, in a process of their own (vLLM 0.26 keeps graph state a
+    V1 engine leaves unfit for a later V2 one)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", RUNNERS[runner])
+        return generate_in_subprocess(configs, plugins=plugins)
+
+
+@pytest.fixture(scope="module")
+def runs(pairs: dict[str, tuple[Path, Path]], prompts: list[list[int]]) -> dict[str, RunResult]:
+    names, configs = [], []
+    for family, (target, assistant) in pairs.items():
+        names += [f"plain-{family}", f"ours-{family}"]
+        configs += [_config(target, prompts, None), _config(target, prompts, assistant)]
+    results = {}
+    for runner in RUNNERS:
+        for name, result in zip(names, _on_runner(runner, configs), strict=True):
+            results[f"{name}-{runner}"] = result
+    return results
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_output_equals_no_speculation(
+    runs: dict[str, RunResult], family: str, runner: str
+) -> None:
+    plain, ours = runs[f"plain-{family}-{runner}"], runs[f"ours-{family}-{runner}"]
+    assert ours.draft_model_class == "gemma4_spec.models.gemma4_mtp.Gemma4AssistantForDrafting"
+    assert ours.token_ids == plain.token_ids
+    assert all(len(tokens) == MAX_TOKENS for tokens in ours.token_ids)
+    metrics = ours.spec_metrics
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_in_tree_v1_on_26b(
+    pairs: dict[str, tuple[Path, Path]],
+    prompts: list[list[int]],
+    runs: dict[str, RunResult],
+    report_figure: Callable[[str], None],
+) -> None:
+    # Ours on the V1 runner starts and is lossless on this pair (the test above); vLLM's own V1
+    # path is run here for the record: whether it starts, and how it fails if it does not.
+    assert runs["ours-26b-a4b-V1"].token_ids == runs["plain-26b-a4b-V1"].token_ids
+    target, assistant = pairs["26b-a4b"]
+    try:
+        (in_tree,) = _on_runner("V1", [_config(target, prompts, assistant)], plugins="none")
+    except RuntimeError as failure:
+        tail = str(failure).strip().splitlines()[-3:]
+        report_figure(f"in-tree V1 on the tiny 26B-A4B shape did not start: {tail}")
+        return
+    same = in_tree.token_ids == runs["plain-26b-a4b-V1"].token_ids
+    report_figure(f"in-tree V1 on the tiny 26B-A4B shape started; tokens equal to plain: {same}")
