@@ -317,6 +317,22 @@ def print_tables(saved: dict[str, Any]) -> None:
             tps = [r["tokens_per_s"] for r in result["runs"][b][1:]]
             cells.append(f"{min(tps):7.0f} - {max(tps):7.0f}")
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
+    print(
+        "\nsteady rounds paired with the in-tree engine's round of the same number (taken in "
+        "turn, so the host's drift hits both): median ratio (lowest - highest)"
+    )
+    for name, result in results.items():
+        other = in_tree_of(name)
+        if other is None:
+            continue
+        cells = []
+        for b in batches:
+            pairs = zip(result["runs"][b][1:], results[other]["runs"][b][1:], strict=False)
+            ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in pairs]
+            cells.append(
+                f"{statistics.median(ratios):4.2f}x ({min(ratios):4.2f} - {max(ratios):4.2f})"
+            )
+        print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
     if saved["pair"] == "trained" and not temperature:  # bf16: near-ties differ with batch shapes
         print("\ngreedy tokens equal to plain's (requests equal / all, over every round)")
         for name, result in results.items():

@@ -66,3 +66,7 @@ def test_tables_of_a_saved_run(tmp_path: Path) -> None:
     plain = next(line for line in out.splitlines() if line.startswith("plain"))
     assert "1.00x" in plain and "x in-tree" not in plain
     assert "ours-V1 k=3 real         6 / 6" in out
+    # Paired with in-tree's rounds 1 and 2: 230 / 200 and 250 / 220.
+    paired = out.split("steady rounds paired")[1].splitlines()
+    (line,) = [row for row in paired if row.startswith("ours-V1 k=3 real")]
+    assert "1.14x (1.14 - 1.15)" in line
