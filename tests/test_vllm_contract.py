@@ -368,6 +368,7 @@ CONTRACTS: tuple[Contract, ...] = (
         (
             "data_parallel_size",
             "pipeline_parallel_size",
+            "tensor_parallel_size",
             "decode_context_parallel_size",
             "enable_dbo",
         ),
