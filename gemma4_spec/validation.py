@@ -67,7 +67,12 @@ _PAIR_FIX = (
 )
 _MISSING = object()
 # Target hidden sizes we can name in the backbone-mismatch error, to point at the right target.
-_KNOWN_BACKBONES = {1536: "google/gemma-4-E2B-it"}
+_KNOWN_BACKBONES = {
+    1536: "google/gemma-4-E2B-it",
+    2560: "google/gemma-4-E4B-it",
+    2816: "google/gemma-4-26B-A4B-it",
+    5376: "google/gemma-4-31B-it",
+}
 
 
 class AssistantMismatchError(ValueError):
@@ -372,7 +377,9 @@ def _check_attention(assistant_text: Any, target_text: Any, assistant: str, targ
             raise AssistantMismatchError(
                 f"Assistant layer {idx} ({layer_type!r}) reads the K/V cache of {target} layer "
                 f"{source}, but their attention shapes differ (assistant vs target): "
-                f"{', '.join(diffs)}; {_PAIR_FIX}."
+                f"{', '.join(diffs)}; "
+                f"{_k_eq_v_hint(assistant_text, target_text, layer_type, own_kv, src_kv)}"
+                f"{_PAIR_FIX}."
             )
         num_heads = _layer_value(assistant_text, idx, "num_attention_heads")
         if num_heads % own_kv:
@@ -382,6 +389,27 @@ def _check_attention(assistant_text: Any, target_text: Any, assistant: str, targ
                 f"{source} whose cache it reads (grouped-query attention needs whole groups); "
                 f"{_PAIR_FIX}."
             )
+
+
+def _k_eq_v_hint(
+    assistant_text: Any, target_text: Any, layer_type: str, own_kv: int, src_kv: int
+) -> str:
+    """Why a full layer's KV heads can differ although the assistant is the right one: the
+    target's full layers share K and V (26B-A4B, 31B) with their own KV-head count, and an
+    assistant config without ``attention_k_eq_v`` gives its full layers the sliding count."""
+    if (
+        layer_type != FULL_ATTENTION
+        or own_kv == src_kv
+        or not _read(target_text, "attention_k_eq_v", False)
+        or _read(assistant_text, "attention_k_eq_v", False)
+    ):
+        return ""
+    return (
+        "the target's full-attention layers share K and V (attention_k_eq_v: true, "
+        f"{src_kv} KV heads), and the assistant's text_config does not say attention_k_eq_v: "
+        f"true and num_global_key_value_heads: {src_kv} as the published assistants do; "
+        "restore those two fields if the config was edited, otherwise "
+    )
 
 
 def _rope_for_type(text_config: Any, layer_type: str) -> Any:

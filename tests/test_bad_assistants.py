@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gemma4_spec.patch.hooks import is_ours
+from gemma4_spec.testing.families import build_family_pair
 from gemma4_spec.testing.tiny import build_tiny_pair
 from gemma4_spec.validation import (
     TOKEN_ORDERING_KEY,
@@ -146,6 +147,22 @@ def test_tensor_parallel_size_not_dividing_the_mlp(
     with pytest.raises(UnsupportedConfigurationError, match="intermediate_size=130"):
         engine_config(target, assistant, tensor_parallel_size=4)
     assert engine_config(target, assistant, tensor_parallel_size=2).speculative_config
+
+
+def test_k_eq_v_fields_dropped(root: Path) -> None:
+    """A 26B-A4B-like pair (full layers share K and V, 1 KV head against 4 on sliding layers)
+    whose assistant config lost the two fields that say so."""
+    target, good = build_family_pair("26b-a4b", root / "k-eq-v")
+    engine_config(target, good)
+    config_file = good / "config.json"
+    config = json.loads(config_file.read_text())
+    for name in ("attention_k_eq_v", "num_global_key_value_heads"):
+        config["text_config"].pop(name)
+    config_file.write_text(json.dumps(config, indent=2))
+
+    message = mismatch(target, good)
+    assert "layer 1 ('full_attention')" in message and "num_key_value_heads=4 vs 1" in message
+    assert "attention_k_eq_v: true and num_global_key_value_heads: 1" in message
 
 
 def test_vocab_differs(target: Path, variant: Callable[..., Path]) -> None:

@@ -41,6 +41,7 @@ from gemma4_spec.testing.tiny import (
     SLIDING,
     build_tiny_assistant,
     build_tiny_e2b_like_target,
+    hf_greedy_tokens,
 )
 
 pytestmark = pytest.mark.engine
@@ -153,22 +154,7 @@ def test_checkpoint_is_e2b_shaped(checkpoints: dict[str, Path], tmp_path: Path) 
 def test_plain_vllm_matches_transformers(
     runs: dict[str, RunResult], checkpoints: dict[str, Path], prompts: list[list[int]]
 ) -> None:
-    model = AutoModelForCausalLM.from_pretrained(
-        checkpoints["target"], dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    assert type(model).__name__ == "Gemma4ForConditionalGeneration"
-    expected = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=None,
-            )
-        expected.append(out[0, len(prompt) :].tolist())
+    expected = hf_greedy_tokens(checkpoints["target"], prompts, MAX_TOKENS)
     assert runs["plain"].token_ids == expected
     assert all(len(set(tokens)) > MAX_TOKENS // 2 for tokens in expected)  # not degenerate
 

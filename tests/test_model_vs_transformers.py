@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from gemma4_spec.testing.families import build_family_pair
 from gemma4_spec.testing.tiny import build_tiny_pair, hf_draft_step
 
 PROMPT = [17, 301, 5, 999, 42, 1500, 7, 64, 128, 256, 3]  # shorter than the sliding window
@@ -108,8 +109,30 @@ def _tensors(directory) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-d
 @pytest.mark.parametrize("centroids", [True, False], ids=["centroids", "full-vocab"])
 def test_one_draft_step_matches_transformers(tmp_path, centroids: bool) -> None:
     target_dir, assistant_dir = build_tiny_pair(tmp_path / "pair", centroids=centroids)
+    _check_one_draft_step(target_dir, assistant_dir, tmp_path, centroids)
+
+
+@pytest.mark.parametrize(
+    ("family", "sources"), [("e4b", [4, 5]), ("26b-a4b", [10, 11]), ("31b", [10, 11])]
+)
+def test_one_draft_step_matches_transformers_on_other_families(
+    tmp_path, family: str, sources: list[int]
+) -> None:
+    """E4B (KV-shared target layers, half as many draft query heads), 26B-A4B (MoE, k_eq_v
+    full layers with 1 KV head against 4) and 31B (k_eq_v): each draft layer reads the cache of
+    the target's last layer of its type that owns one, and computes what transformers does."""
+    target_dir, assistant_dir = build_family_pair(family, tmp_path / "pair")
+    draft = _check_one_draft_step(target_dir, assistant_dir, tmp_path, family == "e4b")
+    names = [layer.self_attn.attn.kv_sharing_target_layer_name for layer in draft.model.layers]
+    assert names == [f"model.layers.{i}.self_attn.attn" for i in sources]
+
+
+def _check_one_draft_step(target_dir, assistant_dir, tmp_path, centroids: bool):  # type: ignore[no-untyped-def]
+    """One draft step of our model against transformers'; returns our model (its attention
+    layers as vLLM built them, before they are replaced by the reference attention)."""
     ref = hf_draft_step(target_dir, assistant_dir, PROMPT)
     _, draft = _assistant_module(target_dir, assistant_dir, tmp_path)
+    vllm_attention = [layer.self_attn.attn for layer in draft.model.layers]
 
     _attend_to_reference_kv(draft, ref)
 
@@ -138,6 +161,9 @@ def test_one_draft_step_matches_transformers(tmp_path, centroids: bool) -> None:
     else:
         torch.testing.assert_close(logits, want, **TOL)
     assert torch.equal(top, want.argmax(dim=-1))
+    for layer, attention in zip(draft.model.layers, vllm_attention, strict=True):
+        layer.self_attn.attn = attention
+    return draft
 
 
 @pytest.mark.parametrize("centroids", [True, False], ids=["centroids", "full-vocab"])

@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.testing import e2b_shaped
 from gemma4_spec.testing.config_format import write_portable_config
+from gemma4_spec.testing.families import FAMILIES, build_family_pair, real_shape_configs
 from gemma4_spec.testing.load_check import check
 from gemma4_spec.testing.tiny import (
     build_tiny_assistant,
@@ -58,20 +59,24 @@ def specs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     e2b_multimodal_assistant = build_tiny_assistant(
         root / "e2b_multimodal" / "assistant", e2b_multimodal
     )
-    # The E2B-shaped pair's configs only (its weights take a GPU to build), saved as its builder
-    # saves them.
+    # E4B-, 26B-A4B- and 31B-like tiny pairs (KV sharing, attention_k_eq_v, MoE).
+    families = [build_family_pair(family, root / family) for family in FAMILIES]
+    # The E2B-shaped pair's and the other families' published configs only (their weights
+    # take a GPU to build), saved as their builders save them.
+    real = [(e2b_shaped.target_config(), e2b_shaped.assistant_config())]
+    real += [real_shape_configs(family) for family in FAMILIES]
     shaped = []
-    for name, config in (
-        ("target", e2b_shaped.target_config()),
-        ("assistant", e2b_shaped.assistant_config()),
-    ):
-        config.save_pretrained(root / "e2b_shaped" / name)
-        shaped.append(write_portable_config(root / "e2b_shaped" / name).parent)
+    for index, configs in enumerate(real):
+        for name, config in zip(("target", "assistant"), configs, strict=True):
+            folder = root / f"shaped-{index}" / name
+            config.save_pretrained(folder)
+            shaped.append(write_portable_config(folder).parent)
     return [
         f"pair:{shipped[0]}:{shipped[1]}",
         f"pair:{tiny[0]}:{tiny[1]}",
         f"pair:{e2b_text}:{e2b_text_assistant}",
         f"pair:{e2b_multimodal}:{e2b_multimodal_assistant}",
+        *(f"pair:{target}:{assistant}" for target, assistant in families),
         *(f"config:{folder}" for folder in shaped),
     ]
 
@@ -103,7 +108,7 @@ def test_oldest_transformers_reads_our_checkpoints_as_the_installed_one(
         if "draft_logits" in new_answer:
             pairs = zip(old_answer["draft_logits"], new_answer["draft_logits"], strict=True)
             assert max(abs(a - b) for a, b in pairs) < 1e-3, spec
-    assert sum("draft_logits" in new["checks"][s] for s in specs) == 3  # the text-only pairs
+    assert sum("draft_logits" in new["checks"][s] for s in specs) == 6  # the text-only pairs
 
 
 def test_per_layer_config_form_is_what_the_oldest_cannot_read(tmp_path: Path) -> None:

@@ -160,6 +160,37 @@ def test_full_attention_head_dim_mismatch() -> None:
     assert "layer 1" in message and "layer 3" in message and "full_attention" in message
 
 
+# 26B-A4B / 31B style: full layers share K and V and have fewer KV heads (2 of 4 here).
+K_EQ_V = dict(attention_k_eq_v=True, num_global_key_value_heads=1)
+
+
+def test_k_eq_v_pair_passes() -> None:
+    draft = as_vllm_sees_it(assistant(K_EQ_V, use_ordered_embeddings=False))
+    validate_pair(target_text(**K_EQ_V), draft)
+
+
+def test_k_eq_v_fields_missing_from_the_assistant() -> None:
+    message = mismatch(target_text(**K_EQ_V), assistant())
+    assert "layer 1 ('full_attention')" in message and "num_key_value_heads=2 vs 1" in message
+    assert "attention_k_eq_v: true and num_global_key_value_heads: 1" in message
+
+
+def test_k_eq_v_hint_only_for_that_cause() -> None:
+    # A sliding layer's mismatch, and a full layer's where the target has no k_eq_v (the
+    # assistant claims it), get the plain message.
+    for target, draft, where in (
+        (target_text(**K_EQ_V), assistant({**K_EQ_V, "num_key_value_heads": 1}), "layer 0"),
+        (target_text(), assistant(K_EQ_V), "layer 1"),
+    ):
+        message = mismatch(target, draft)
+        assert where in message and "attention_k_eq_v" not in message
+
+
+def test_backbone_mismatch_names_the_published_target() -> None:
+    message = mismatch(target_text(), assistant(backbone_hidden_size=2816))
+    assert "google/gemma-4-26B-A4B-it" in message
+
+
 def test_sliding_window_mismatch() -> None:
     message = mismatch(target_text(), assistant({"sliding_window": 32}))
     assert "sliding_window=32 vs 16" in message

@@ -21,6 +21,7 @@ from transformers import (
 
 from gemma4_spec.testing.config_format import write_portable_config
 from gemma4_spec.testing.kv_norms import add_missing_k_norms
+from gemma4_spec.testing.tiny import is_unit_scale
 from gemma4_spec.validation import FULL_ATTENTION as FULL
 from gemma4_spec.validation import SLIDING_ATTENTION as SLIDING
 
@@ -31,7 +32,9 @@ ASSISTANT_LAYER_TYPES = [SLIDING, SLIDING, SLIDING, FULL]
 STD = 0.02
 
 
-def _text_config(**overrides: object) -> Gemma4TextConfig:
+def published_text_config(**overrides: object) -> Gemma4TextConfig:
+    """A Gemma 4 text config with the published E2B figures (vocab, heads, head sizes, sliding
+    window, soft-cap) under ``overrides``; the other sizes override what differs."""
     fields: dict[str, object] = dict(
         vocab_size=VOCAB,
         num_attention_heads=8,
@@ -49,7 +52,7 @@ def _text_config(**overrides: object) -> Gemma4TextConfig:
 
 def target_config() -> Gemma4TextConfig:
     types = [FULL if (i + 1) % 5 == 0 else SLIDING for i in range(TARGET_LAYERS)]
-    return _text_config(
+    return published_text_config(
         hidden_size=1536,
         intermediate_size=6144,
         num_hidden_layers=TARGET_LAYERS,
@@ -62,7 +65,7 @@ def target_config() -> Gemma4TextConfig:
 
 
 def assistant_config() -> Gemma4AssistantConfig:
-    text = _text_config(
+    text = published_text_config(
         hidden_size=256,
         intermediate_size=2048,
         num_hidden_layers=len(ASSISTANT_LAYER_TYPES),
@@ -84,7 +87,7 @@ def assistant_config() -> Gemma4AssistantConfig:
 def _randomise(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-        if name.endswith("norm.weight"):
+        if is_unit_scale(name):
             param.fill_(1.0)
         else:
             param.normal_(0.0, STD, generator=gen)
@@ -105,16 +108,27 @@ def _build(cls: type, config: object, path: Path, device: str, seed: int) -> Pat
     return path
 
 
+def build_random_pair(
+    root: str | Path,
+    target: Gemma4TextConfig,
+    assistant: Gemma4AssistantConfig,
+    device: str = "cuda",
+    seed: int = 0,
+) -> tuple[Path, Path]:
+    """Write (or reuse) random bf16 ``root/target`` and ``root/assistant`` of these configs,
+    weights drawn on ``device``; returns their paths."""
+    root = Path(root)
+    target_dir, assistant_dir = root / "target", root / "assistant"
+    if not (target_dir / "config.json").exists():
+        _build(Gemma4ForCausalLM, target, target_dir, device, seed)
+        add_missing_k_norms(target_dir)
+    if not (assistant_dir / "config.json").exists():
+        _build(Gemma4AssistantForCausalLM, assistant, assistant_dir, device, seed + 1)
+    return target_dir, assistant_dir
+
+
 def build_e2b_shaped_pair(
     root: str | Path, device: str = "cuda", seed: int = 0
 ) -> tuple[Path, Path]:
     """Write (or reuse) ``root/target`` and ``root/assistant``; returns their paths."""
-    root = Path(root)
-    target, assistant = root / "target", root / "assistant"
-    if not (target / "config.json").exists():
-        config = target_config()
-        _build(Gemma4ForCausalLM, config, target, device, seed)
-        add_missing_k_norms(target)
-    if not (assistant / "config.json").exists():
-        _build(Gemma4AssistantForCausalLM, assistant_config(), assistant, device, seed + 1)
-    return target, assistant
+    return build_random_pair(root, target_config(), assistant_config(), device, seed)

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     Gemma4AssistantConfig,
     Gemma4AssistantForCausalLM,
     Gemma4Config,
@@ -40,18 +41,23 @@ from gemma4_spec.validation import SLIDING_ATTENTION as SLIDING
 from gemma4_spec.validation import layer_attention_shape
 
 __all__ = [
+    "AssistantShape",
     "AssistantStyle",
     "E2B_LIKE_LAYER_TYPES",
     "FULL",
     "HFDraftStep",
     "INIT_STD",
     "SLIDING",
+    "assistant_config_for",
     "build_tiny_assistant",
     "build_tiny_e2b_like_target",
     "build_tiny_pair",
     "build_tiny_target",
     "default_layer_types",
     "hf_draft_step",
+    "hf_greedy_tokens",
+    "is_unit_scale",
+    "target_text_config",
 ]
 
 AssistantStyle = Literal["random", "copy"]
@@ -74,7 +80,7 @@ E2B_LIKE_PER_LAYER_INPUT = 16
 # unit-RMS per-layer-input term to the residual stream, which drowns the input token's pull: greedy
 # runs then repeat a token in only ~2% of steps (~6% without per-layer inputs; measured over seeds,
 # 48 greedy tokens), so a "copy" assistant sees almost no accepted drafts. 0.3 restores ~6%.
-_E2B_LIKE_PER_LAYER_GAIN = 0.3
+_PER_LAYER_INPUT_GAIN = 0.3
 # Its tiny vision tower (never run: text-only prompts). pooling 3 x patch 4 = 12-pixel units;
 # default_output_length is the soft-token budget per image that vLLM's Gemma 4 reads from it.
 VISION_HIDDEN = 32
@@ -108,6 +114,8 @@ _COPY_EMBED_RMS = 0.1
 _COPY_HIDDEN_MIX = 0.2
 _COPY_LAYER_GAIN = 0.1
 
+_ROUTER_PROJ = "router.proj.weight"
+
 _TARGET_SALT = 0x7A5
 _ASSISTANT_SALT = 0xA55
 
@@ -125,16 +133,26 @@ def _generator(seed: int, salt: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + salt)
 
 
-def _is_norm_weight(name: str) -> bool:
-    return name.endswith("norm.weight")
+def is_unit_scale(name: str) -> bool:
+    """Parameters that random checkpoints set to 1: norm gains and a MoE router's input and
+    per-expert output scales (random values there would flip or silence layers at random)."""
+    return name.endswith(("norm.weight", "router.scale", "router.per_expert_scale"))
 
 
 def _fill_random(model: torch.nn.Module, gen: torch.Generator, std: float) -> None:
-    """Overwrite every parameter: norms scale 1, matrices N(0, std), in a fixed name order."""
+    """Overwrite every parameter: norms and router scales 1, router projections N(0, 1), other
+    matrices N(0, std), in a fixed name order.
+
+    A router drawn at ``std`` scores every expert almost alike, so a float32 rounding difference
+    between two batch shapes could swap an expert in or out and change the output; N(0, 1)
+    scores (the router's input is RMS-normed and scaled by 1/sqrt(hidden)) keep each choice
+    clear of such ties."""
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
-            if _is_norm_weight(name):
+            if is_unit_scale(name):
                 param.fill_(1.0)
+            elif name.endswith(_ROUTER_PROJ):
+                param.copy_(torch.randn(param.shape, generator=gen))
             else:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
         for name, buf in model.named_buffers():
@@ -168,14 +186,17 @@ def _read_tensor(path: Path, key: str) -> torch.Tensor:
     raise KeyError(f"{key} not found in {path}")
 
 
-def _target_config(
+def target_text_config(
     num_hidden_layers: int,
     layer_types: Sequence[str] | None,
     num_kv_shared_layers: int,
     *,
     hidden_size_per_layer_input: int = 0,
     use_double_wide_mlp: bool = False,
+    **fields: Any,
 ) -> Gemma4TextConfig:
+    """The tiny target's text config; ``fields`` are further ``Gemma4TextConfig`` arguments over
+    the tiny defaults (e.g. ``hidden_size``, ``attention_k_eq_v``, the MoE sizes)."""
     types = list(layer_types) if layer_types is not None else default_layer_types(num_hidden_layers)
     if len(types) != num_hidden_layers:
         raise ValueError(f"{len(types)} layer_types for {num_hidden_layers} layers")
@@ -187,22 +208,26 @@ def _target_config(
     if {SLIDING, FULL} - owners:
         # KV-shared layers and the assistant read the last non-shared layer of each type.
         raise ValueError("the non-KV-shared layers must include a sliding and a full layer")
-    return Gemma4TextConfig(
+    defaults: dict[str, Any] = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=TARGET_HIDDEN,
         intermediate_size=TARGET_INTERMEDIATE,
-        num_hidden_layers=num_hidden_layers,
         num_attention_heads=NUM_HEADS,
         num_key_value_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
         global_head_dim=GLOBAL_HEAD_DIM,
-        hidden_size_per_layer_input=hidden_size_per_layer_input,
-        vocab_size_per_layer_input=VOCAB_SIZE if hidden_size_per_layer_input else 0,
         sliding_window=SLIDING_WINDOW,
+        initializer_range=INIT_STD,
+    )
+    vocab = fields.get("vocab_size", VOCAB_SIZE)
+    return Gemma4TextConfig(
+        **{**defaults, **fields},
+        num_hidden_layers=num_hidden_layers,
+        hidden_size_per_layer_input=hidden_size_per_layer_input,
+        vocab_size_per_layer_input=vocab if hidden_size_per_layer_input else 0,
         layer_types=types,
         num_kv_shared_layers=num_kv_shared_layers,
         use_double_wide_mlp=use_double_wide_mlp,
-        initializer_range=INIT_STD,
     )
 
 
@@ -214,17 +239,36 @@ def build_tiny_target(
     num_hidden_layers: int = 4,
     layer_types: Sequence[str] | None = None,
     num_kv_shared_layers: int = 0,
+    hidden_size_per_layer_input: int = 0,
+    **fields: Any,
 ) -> Path:
     """Write a random tiny ``gemma4_text`` target (Gemma4ForCausalLM) to ``path``.
 
     Default: 4 layers [sliding x3, full], hidden 128, vocab 2048, sliding window 16, head_dim 32
     (sliding) / 64 (full). ``num_kv_shared_layers`` > 0 makes the last layers reuse the KV of the
     last earlier layer of their type, as in real Gemma 4 E2B/E4B targets (e.g. 6 layers, 2 shared).
+    ``hidden_size_per_layer_input`` > 0 adds per-layer input embeddings over the whole vocab;
+    ``fields`` are further ``Gemma4TextConfig`` arguments (see ``target_text_config``).
     """
-    config = _target_config(num_hidden_layers, layer_types, num_kv_shared_layers)
+    config = target_text_config(
+        num_hidden_layers,
+        layer_types,
+        num_kv_shared_layers,
+        hidden_size_per_layer_input=hidden_size_per_layer_input,
+        **fields,
+    )
     model = _construct(Gemma4ForCausalLM, config)
     _fill_random(model, _generator(seed, _TARGET_SALT), INIT_STD)
+    if hidden_size_per_layer_input:
+        _damp_per_layer_inputs(model.model)
     return _save(model, Path(path), dtype)
+
+
+def _damp_per_layer_inputs(text_model: torch.nn.Module) -> None:
+    """Set every layer's per-layer-input gain to ``_PER_LAYER_INPUT_GAIN`` (see there)."""
+    with torch.no_grad():
+        for layer in text_model.layers:
+            layer.post_per_layer_input_norm.weight.fill_(_PER_LAYER_INPUT_GAIN)
 
 
 def _vision_config() -> Gemma4VisionConfig:
@@ -260,7 +304,7 @@ def build_tiny_e2b_like_target(
     weights under ``model.language_model.``; otherwise a ``gemma4_text`` ``Gemma4ForCausalLM``.
     Equal seeds give equal text weights in both layouts.
     """
-    text_config = _target_config(
+    text_config = target_text_config(
         len(E2B_LIKE_LAYER_TYPES),
         E2B_LIKE_LAYER_TYPES,
         E2B_LIKE_KV_SHARED_LAYERS,
@@ -287,9 +331,7 @@ def build_tiny_e2b_like_target(
         text_model = causal_lm.model
         _fill_random(causal_lm, gen, INIT_STD)
         model = causal_lm
-    with torch.no_grad():
-        for layer in text_model.layers:
-            layer.post_per_layer_input_norm.weight.fill_(_E2B_LIKE_PER_LAYER_GAIN)
+    _damp_per_layer_inputs(text_model)
     return _save(model, Path(path), dtype)
 
 
@@ -311,38 +353,64 @@ def _target_embed(target_dir: Path) -> torch.Tensor:
     raise KeyError(f"no token embedding found in {target_dir}")
 
 
-def _assistant_config(target: Gemma4TextConfig, centroids: bool) -> Gemma4AssistantConfig:
+@dataclass(frozen=True)
+class AssistantShape:
+    """An assistant's own sizes; everything it shares with the target is read from the target."""
+
+    hidden_size: int = ASSISTANT_HIDDEN
+    intermediate_size: int = ASSISTANT_INTERMEDIATE
+    layer_types: tuple[str, ...] = ASSISTANT_LAYER_TYPES
+    # None: as many query heads as the target (real assistants may have fewer).
+    num_attention_heads: int | None = None
+    num_centroids: int = NUM_CENTROIDS
+    centroid_top_k: int = CENTROID_TOP_K
+    initializer_range: float = INIT_STD
+
+
+def assistant_config_for(
+    target: Gemma4TextConfig, centroids: bool, shape: AssistantShape = AssistantShape()
+) -> Gemma4AssistantConfig:
     """Same vocab and attention geometry as the target, so the assistant can read its KV."""
     # head_dim is per layer type (transformers >= 5.15 refuses the ambiguous global read).
     kv_heads, head_dim = layer_attention_shape(target, target.layer_types.index(SLIDING))
-    global_head_dim = layer_attention_shape(target, target.layer_types.index(FULL))[1]
+    global_kv_heads, global_head_dim = layer_attention_shape(target, target.layer_types.index(FULL))
+    # Full layers of attention_k_eq_v targets have their own KV-head count; the flat form says it
+    # as num_global_key_value_heads, which transformers applies to k_eq_v configs only.
+    k_eq_v: dict[str, Any] = (
+        dict(attention_k_eq_v=True, num_global_key_value_heads=global_kv_heads)
+        if getattr(target, "attention_k_eq_v", False)
+        else {}
+    )
     text_config = Gemma4TextConfig(
         vocab_size=target.vocab_size,
-        hidden_size=ASSISTANT_HIDDEN,
-        intermediate_size=ASSISTANT_INTERMEDIATE,
-        num_hidden_layers=len(ASSISTANT_LAYER_TYPES),
-        num_attention_heads=target.num_attention_heads,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=len(shape.layer_types),
+        num_attention_heads=shape.num_attention_heads or target.num_attention_heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         global_head_dim=global_head_dim,
         hidden_size_per_layer_input=0,
         vocab_size_per_layer_input=0,
         sliding_window=target.sliding_window,
-        layer_types=list(ASSISTANT_LAYER_TYPES),
-        num_kv_shared_layers=len(ASSISTANT_LAYER_TYPES),
+        layer_types=list(shape.layer_types),
+        num_kv_shared_layers=len(shape.layer_types),
         rope_parameters=target.rope_parameters,
         rms_norm_eps=target.rms_norm_eps,
         max_position_embeddings=target.max_position_embeddings,
-        initializer_range=INIT_STD,
+        initializer_range=shape.initializer_range,
+        **k_eq_v,
     )
-    if centroids and target.vocab_size % NUM_CENTROIDS:
-        raise ValueError(f"vocab {target.vocab_size} not divisible by {NUM_CENTROIDS} centroids")
+    if centroids and target.vocab_size % shape.num_centroids:
+        raise ValueError(
+            f"vocab {target.vocab_size} not divisible by {shape.num_centroids} centroids"
+        )
     return Gemma4AssistantConfig(
         text_config=text_config,
         backbone_hidden_size=target.hidden_size,
         use_ordered_embeddings=centroids,
-        num_centroids=NUM_CENTROIDS,
-        centroid_intermediate_top_k=CENTROID_TOP_K,
+        num_centroids=shape.num_centroids,
+        centroid_intermediate_top_k=shape.centroid_top_k,
     )
 
 
@@ -385,8 +453,9 @@ def _make_copy(
     """
     target_hidden = target_embed.shape[1]
     inner = model.model
+    hidden = inner.embed_tokens.weight.shape[1]
     with torch.no_grad():
-        proj = torch.randn(target_hidden, ASSISTANT_HIDDEN, generator=gen)
+        proj = torch.randn(target_hidden, hidden, generator=gen)
         embed = target_embed @ proj
         factor = _COPY_EMBED_RMS / embed.pow(2).mean().sqrt()
         embed, proj = embed * factor, proj * factor
@@ -395,7 +464,7 @@ def _make_copy(
         # Token half: sqrt(H_t) E_t[t] -> E_a[t] / _COPY_EMBED_RMS (unit RMS). Hidden half: the
         # target's final-normed hidden (unit RMS) -> RMS _COPY_HIDDEN_MIX.
         token_half = proj.T / (math.sqrt(target_hidden) * _COPY_EMBED_RMS)
-        hidden_half = torch.randn(ASSISTANT_HIDDEN, target_hidden, generator=gen)
+        hidden_half = torch.randn(hidden, target_hidden, generator=gen)
         hidden_half *= _COPY_HIDDEN_MIX / math.sqrt(target_hidden)
         model.pre_projection.weight.copy_(torch.cat([token_half, hidden_half], dim=1))
 
@@ -408,7 +477,7 @@ def _make_copy(
             assert masked is not None
             ordering, centres = _balanced_clusters(embed, masked.num_centroids, gen)
             masked.token_ordering.copy_(ordering)
-            masked.centroids.weight.copy_(centres * _COPY_EMBED_RMS * math.sqrt(ASSISTANT_HIDDEN))
+            masked.centroids.weight.copy_(centres * _COPY_EMBED_RMS * math.sqrt(hidden))
 
 
 def build_tiny_assistant(
@@ -419,17 +488,19 @@ def build_tiny_assistant(
     style: AssistantStyle = "copy",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    shape: AssistantShape = AssistantShape(),
 ) -> Path:
     """Write a tiny ``gemma4_assistant`` (Gemma4AssistantForCausalLM) matching the target.
 
-    2 fully KV-shared layers [sliding, full], hidden 64; with ``centroids`` the lm_head goes through
-    64 centroids with top-8 (``use_ordered_embeddings``) and a real ``token_ordering`` permutation
-    (transformers would leave it all zeros). ``style="copy"`` drafts the input token again (see
-    ``_make_copy``), ``style="random"`` is plain random weights.
+    By default 2 fully KV-shared layers [sliding, full], hidden 64 (``shape`` sets other sizes);
+    with ``centroids`` the lm_head goes through 64 centroids with top-8
+    (``use_ordered_embeddings``) and a real ``token_ordering`` permutation (transformers would
+    leave it all zeros). ``style="copy"`` drafts the input token again (see ``_make_copy``),
+    ``style="random"`` is plain random weights.
     """
     target_dir = Path(target_path)
     target = _target_text_config(target_dir)
-    config = _assistant_config(target, centroids)
+    config = assistant_config_for(target, centroids, shape)
     model = _construct(Gemma4AssistantForCausalLM, config)
     gen = _generator(seed, _ASSISTANT_SALT)
     _fill_random(model, gen, INIT_STD)
@@ -530,3 +601,26 @@ def hf_draft_step(
         token_id=int(token.item()),
         target_hidden=hidden,
     )
+
+
+def hf_greedy_tokens(
+    target_path: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """Reference for plain decoding: transformers' greedy continuation of each prompt (float32,
+    eager attention, no end-of-sequence stop), through the checkpoint's own architecture."""
+    model = AutoModelForCausalLM.from_pretrained(
+        target_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    tokens = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+            )
+        tokens.append(out[0, ids.shape[1] :].tolist())
+    return tokens

@@ -28,14 +28,14 @@ import torch
 from torch import nn
 from transformers import Gemma4AssistantForCausalLM, Gemma4TextConfig
 
-from gemma4_spec.testing.tiny import _assistant_config
+from gemma4_spec.testing.tiny import assistant_config_for
 from gemma4_spec.training.features import FeatureBatch
 from gemma4_spec.training.target import cosine_lr
 
 
 def new_assistant(target_config: Gemma4TextConfig) -> Gemma4AssistantForCausalLM:
     """A fresh assistant with centroid masking, geometry as the tiny test assistant's."""
-    model = Gemma4AssistantForCausalLM(_assistant_config(target_config, centroids=True))
+    model = Gemma4AssistantForCausalLM(assistant_config_for(target_config, centroids=True))
     model.to(torch.float32)
     return model
 

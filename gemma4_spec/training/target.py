@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from gemma4_spec.testing.tiny import _target_config
+from gemma4_spec.testing.tiny import target_text_config
 from gemma4_spec.training.corpus import length_batches, pad_batch
 from gemma4_spec.training.tokenizer import BOS, EOS, PAD
 
@@ -22,7 +22,7 @@ NUM_LAYERS = 4
 
 
 def target_config(pad_id: int, bos_id: int, eos_ids: Sequence[int]) -> Gemma4TextConfig:
-    config = _target_config(NUM_LAYERS, None, 0)
+    config = target_text_config(NUM_LAYERS, None, 0)
     config.pad_token_id, config.bos_token_id, config.eos_token_id = pad_id, bos_id, list(eos_ids)
     return config
 
