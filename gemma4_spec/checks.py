@@ -11,20 +11,24 @@ from typing import Any
 from gemma4_spec.compat import UnsupportedVLLMVersionError, check_vllm_version
 from gemma4_spec.validation import (
     AssistantMismatchError,
+    UnsupportedConfigurationError,
     read_token_ordering,
     validate_pair,
+    validate_tensor_parallel,
     validate_token_ordering,
 )
+
+__all__ = [
+    "UnsupportedConfigurationError",
+    "check_gemma4_mtp_request",
+    "explain_failed_gemma4_mtp_request",
+]
 
 _NEEDS_ASSISTANT = (
     "method 'gemma4_mtp' needs an assistant checkpoint: pass "
     '--speculative-config \'{"method": "gemma4_mtp", "model": ASSISTANT, '
     '"num_speculative_tokens": K}\'.'
 )
-
-
-class UnsupportedConfigurationError(ValueError):
-    """A vLLM setting that gemma4_mtp drafting cannot run with."""
 
 
 def check_gemma4_mtp_request(spec_config: Any) -> None:
@@ -37,6 +41,7 @@ def check_gemma4_mtp_request(spec_config: Any) -> None:
         raise AssistantMismatchError(_NEEDS_ASSISTANT)
     assistant_config = draft.hf_config
     validate_pair(target.hf_config, assistant_config)
+    validate_tensor_parallel(assistant_config, _tensor_parallel_size(spec_config))
     if getattr(assistant_config, "use_ordered_embeddings", False):
         checkpoint = _local_checkpoint_dir(draft.model, getattr(draft, "revision", None))
         ordering = read_token_ordering(checkpoint)
@@ -66,6 +71,12 @@ def _check_parallelism(spec_config: Any) -> None:
         )
 
 
+def _tensor_parallel_size(spec_config: Any) -> int:
+    """The target's tensor-parallel size, which the draft runs with (vLLM gives the draft the
+    target's ranks)."""
+    return getattr(getattr(spec_config, "target_parallel_config", None), "tensor_parallel_size", 1)
+
+
 def explain_failed_gemma4_mtp_request(spec: Mapping[str, Any] | None, error: Exception) -> None:
     """vLLM's ``SpeculativeConfig`` rejected a gemma4_mtp request: say why, if our checks can.
 
@@ -89,7 +100,10 @@ def explain_failed_gemma4_mtp_request(spec: Mapping[str, Any] | None, error: Exc
 
         assistant_config = AutoConfig.from_pretrained(str(model), revision=spec.get("revision"))
         validate_pair(target.hf_config, assistant_config)
-    except AssistantMismatchError as ours:
+        # vLLM's own head-count check of the draft names neither the model nor a fix.
+        tp_size = getattr(spec.get("target_parallel_config"), "tensor_parallel_size", 1)
+        validate_tensor_parallel(assistant_config, tp_size)
+    except (AssistantMismatchError, UnsupportedConfigurationError) as ours:
         raise ours from error
     except Exception:  # our diagnosis failed too: vLLM's own error is the better report
         return

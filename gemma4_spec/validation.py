@@ -38,10 +38,13 @@ __all__ = [
     "TARGET_MODEL_TYPES",
     "TOKEN_ORDERING_KEY",
     "AssistantMismatchError",
+    "UnsupportedConfigurationError",
     "kv_source_layers",
     "layer_attention_shape",
     "read_token_ordering",
+    "supported_tensor_parallel_sizes",
     "validate_pair",
+    "validate_tensor_parallel",
     "validate_token_ordering",
 ]
 
@@ -78,6 +81,11 @@ class AssistantMismatchError(ValueError):
     A ``ValueError`` so that vLLM's config-time error handling reports it like its own
     argument errors instead of as an internal crash.
     """
+
+
+class UnsupportedConfigurationError(ValueError):
+    """A vLLM setting that gemma4_mtp drafting cannot run with (e.g. a parallelism that does
+    not split the assistant)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,6 +469,73 @@ def validate_pair(target_config: PretrainedConfig, assistant_config: PretrainedC
     _check_centroids(assistant_config, assistant_text, assistant)
     _check_attention(assistant_text, target_text, assistant, target)
     _check_rope(assistant_text, target_text, assistant, target)
+
+
+# --------------------------------------------------------------------------------------------
+# Tensor parallelism
+# --------------------------------------------------------------------------------------------
+
+
+def _tensor_parallel_problem(assistant_text: Any, tensor_parallel_size: int) -> str | None:
+    """What keeps the assistant's layers from splitting over ``tensor_parallel_size`` ranks, as
+    the model shards them (``models/gemma4_mtp.py``), or ``None``.
+
+    Each rank computes ``num_attention_heads / tp`` query heads (q_proj by columns, o_proj by
+    rows) and an equal share of the MLP's ``intermediate_size``. Its queries read the KV heads
+    the target keeps on the same rank: ``num_key_value_heads / tp`` of them, or one replicated
+    head when ``tp`` is a multiple of ``num_key_value_heads`` (vLLM's rule for the target's own
+    K/V projection)."""
+    tp = tensor_parallel_size
+    for idx, layer_type in enumerate(_layer_types(assistant_text, "assistant")):
+        heads = _layer_value(assistant_text, idx, "num_attention_heads")
+        kv_heads, _ = layer_attention_shape(assistant_text, idx)
+        where = f"assistant layer {idx} ({layer_type!r})"
+        if heads % tp:
+            return (
+                f"{where} has num_attention_heads={heads}, which tensor_parallel_size={tp} does "
+                "not divide (each rank computes an equal share of the query heads)"
+            )
+        if kv_heads % tp and tp % kv_heads:
+            return (
+                f"{where} reads a target cache of num_key_value_heads={kv_heads}, which "
+                f"tensor_parallel_size={tp} neither divides nor is a multiple of (each rank "
+                "reads its share of the target's KV heads, or one replicated head)"
+            )
+    intermediate = _read(assistant_text, "intermediate_size")
+    if isinstance(intermediate, int) and intermediate % tp:
+        return (
+            f"the assistant's intermediate_size={intermediate} is not divisible by "
+            f"tensor_parallel_size={tp} (each rank computes an equal share of the MLP)"
+        )
+    return None
+
+
+def supported_tensor_parallel_sizes(assistant_config: PretrainedConfig) -> list[int]:
+    """The tensor-parallel sizes the assistant splits over, from 1 to its largest head count."""
+    assistant_text = _text_config(assistant_config)
+    most = max(
+        _layer_value(assistant_text, idx, "num_attention_heads")
+        for idx in range(_num_layers(assistant_text, "assistant"))
+    )
+    return [tp for tp in range(1, most + 1) if _tensor_parallel_problem(assistant_text, tp) is None]
+
+
+def validate_tensor_parallel(assistant_config: PretrainedConfig, tensor_parallel_size: int) -> None:
+    """Raise :class:`UnsupportedConfigurationError` unless the assistant's attention heads, the
+    target KV heads it reads and its MLP split evenly over ``tensor_parallel_size`` ranks (the
+    draft runs on the target's tensor-parallel ranks)."""
+    if tensor_parallel_size <= 1:
+        return
+    problem = _tensor_parallel_problem(_text_config(assistant_config), tensor_parallel_size)
+    if problem is None:
+        return
+    sizes = ", ".join(str(n) for n in supported_tensor_parallel_sizes(assistant_config))
+    raise UnsupportedConfigurationError(
+        f"gemma4_mtp cannot run the {_name(assistant_config, 'assistant')} with "
+        f"tensor_parallel_size={tensor_parallel_size}: {problem}. The assistant drafts on the "
+        f"target's tensor-parallel ranks, so pick a --tensor-parallel-size it splits over "
+        f"({sizes}) that the target accepts too."
+    )
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from gemma4_spec.patch.hooks import is_ours
 from gemma4_spec.testing.families import build_family_pair
 from gemma4_spec.testing.tiny import build_tiny_pair
-from gemma4_spec.validation import TOKEN_ORDERING_KEY, AssistantMismatchError
+from gemma4_spec.validation import (
+    TOKEN_ORDERING_KEY,
+    AssistantMismatchError,
+    UnsupportedConfigurationError,
+)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def variant(root: Path, pair: tuple[Path, Path]) -> Callable[..., Path]:
     return make
 
 
-def engine_config(target: Path, assistant: Path | None) -> Any:
+def engine_config(target: Path, assistant: Path | None, tensor_parallel_size: int = 1) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     speculative: dict[str, Any] = {"method": "gemma4_mtp", "num_speculative_tokens": 2}
@@ -74,6 +78,7 @@ def engine_config(target: Path, assistant: Path | None) -> Any:
         dtype="float32",
         max_model_len=256,
         enforce_eager=True,
+        tensor_parallel_size=tensor_parallel_size,
         speculative_config=speculative,
     )
     return args.create_engine_config()
@@ -118,6 +123,30 @@ def test_full_attention_head_dim_differs(target: Path, variant: Callable[..., Pa
     message = mismatch(target, variant("head-dim", edit))
     assert "head_dim=32 vs 64" in message
     assert "layer 1" in message and "layer 3" in message and "full_attention" in message
+
+
+def test_tensor_parallel_size_not_dividing_the_query_heads(
+    target: Path, variant: Callable[..., Path]
+) -> None:
+    # The target's 4 heads split over 4 ranks, the assistant's 6 do not. vLLM's own check of the
+    # draft's heads fails first ("Total number of attention heads (6) must be divisible by
+    # tensor parallel size (4)"): ours explains it, naming the assistant and the sizes that work.
+    assistant = variant("tp-heads", lambda c: c["text_config"].update(num_attention_heads=6))
+    with pytest.raises(UnsupportedConfigurationError) as info:
+        engine_config(target, assistant, tensor_parallel_size=4)
+    message = str(info.value)
+    assert "tensor_parallel_size=4" in message and "num_attention_heads=6" in message
+    assert str(assistant) in message and "(1, 2)" in message
+
+
+def test_tensor_parallel_size_not_dividing_the_mlp(
+    target: Path, variant: Callable[..., Path]
+) -> None:
+    # vLLM checks no draft MLP: without our check this fails in every worker at load.
+    assistant = variant("tp-mlp", lambda c: c["text_config"].update(intermediate_size=130))
+    with pytest.raises(UnsupportedConfigurationError, match="intermediate_size=130"):
+        engine_config(target, assistant, tensor_parallel_size=4)
+    assert engine_config(target, assistant, tensor_parallel_size=2).speculative_config
 
 
 def test_k_eq_v_fields_dropped(root: Path) -> None:

@@ -14,15 +14,18 @@ reference logit is within the tolerance of the maximum.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
+from gemma4_spec.ops import centroid_argmax_triton as triton_ops
 from gemma4_spec.ops.centroid_argmax import CentroidMask, centroid_argmax
 from gemma4_spec.ops.centroid_argmax_triton import (
     HAS_TRITON,
@@ -294,7 +297,65 @@ def test_unprepared_capacity_growth_outside_capture() -> None:
                        lm_head, mask)  # fmt: skip
 
 
+@needs_cuda
+def test_graph_outlives_capacity_growth_and_cache_eviction() -> None:
+    """A graph captured over a mask's state keeps reading that state's memory: neither a later
+    batch past the counters' capacity nor the cache dropping the mask's entry may free it (a
+    freed tensor goes to the next allocation: vLLM's in-tree drafter hit an illegal memory
+    access replaying its centroid graphs over a freed temporary, vllm#43909)."""
+    lm_head, mask = _make(**SMALL, dtype=torch.float32, device="cuda", seed=91)
+    static_h = _hidden(4, SMALL["d"], torch.float32, "cuda", seed=92)
+    centroid_argmax_fused(mask, static_h, lm_head, path="centroid")  # compile + prepare
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = centroid_argmax_fused(mask, static_h, lm_head, path="centroid")
+    # Outgrow the counters, then evict the entry with other masks' states.
+    big = _hidden(1500, SMALL["d"], torch.float32, "cuda", seed=93)
+    centroid_argmax_fused(mask, big, lm_head, path="centroid")
+    for seed in range(94, 104):
+        other_head, other = _make(**SMALL, dtype=torch.float32, device="cuda", seed=seed)
+        centroid_argmax_fused(other, static_h, other_head, path="centroid")
+    # Whatever was freed is handed out again, filled with junk.
+    torch.cuda.empty_cache()
+    junk = [torch.full((1 << 16,), 7, dtype=torch.int32, device="cuda") for _ in range(64)]
+    for seed in (105, 106):
+        fresh = _hidden(4, SMALL["d"], torch.float32, "cuda", seed=seed)
+        static_h.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_tokens(static_out.clone(), fresh, lm_head, mask)
+    del junk
+
+
 # -------------------------------------------------------------------------------------- CPU
+
+
+def test_counters_outgrown_are_kept_for_graphs_captured_before() -> None:
+    lm_head, mask = _make(**TINY, dtype=torch.float32, device="cpu")
+    state = prepare_fused_centroid_argmax(mask, TINY["vocab"], capacity=4)
+    first = weakref.ref(state.counters)
+    state.ensure_capacity(10)
+    gc.collect()
+    assert state.counters.shape[1] >= 10
+    assert first() is not None and first() is not state.counters
+
+
+def test_states_seen_in_a_capture_outlive_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Capture is told, not run: CPU tensors here (the CUDA test above captures for real).
+    monkeypatch.setattr(triton_ops, "_CAPTURED_STATES", [])
+    monkeypatch.setattr(triton_ops, "_STATE_CACHE", {})
+    lm_head, mask = _make(**TINY, dtype=torch.float32, device="cpu", seed=1)
+    _state_for(mask, TINY["vocab"])  # prepared outside the capture
+    monkeypatch.setattr(triton_ops, "_capturing", lambda device: True)
+    captured = weakref.ref(_state_for(mask, TINY["vocab"]))
+    monkeypatch.setattr(triton_ops, "_capturing", lambda device: False)
+    for seed in range(2, 12):  # more masks than the cache holds: it is cleared
+        _state_for(_make(**TINY, dtype=torch.float32, device="cpu", seed=seed)[1], TINY["vocab"])
+    gc.collect()
+    state = captured()
+    assert state is not None and state.captured
+    assert all(state is not entry for _, entry in triton_ops._STATE_CACHE.values())
+    assert triton_ops._CAPTURED_STATES == [state]
 
 
 def test_cpu_falls_back_to_torch_path() -> None:

@@ -320,3 +320,124 @@ def test_which_draft_backends_replay_without_a_metadata_rebuild(
     from gemma4_spec.compat import draft_metadata_rebuild_free
 
     assert draft_metadata_rebuild_free(names, Version(version)) is free
+
+
+# --- tensor parallelism: every rank captures the same graphs, or none ------------------------
+
+
+class _RankGraphs(DraftLoopGraphs):
+    """One rank's draft-loop graphs, over a CPU process group: the capture's warm-up and
+    recording are recorded instead of run, and fail where told to."""
+
+    def __init__(self, group: object, fail_warm_up: int | None, fail_record: int | None) -> None:
+        super().__init__(_FakeProposer({}))  # type: ignore[arg-type]
+        self.disabled = None  # as on CUDA
+        self.group, self.fail_warm_up, self.fail_record = group, fail_warm_up, fail_record
+        self.events: list[str] = []
+
+    def _rank_group(self) -> object:
+        return self.group
+
+    def _backends_support_full_graphs(self) -> str | None:
+        return None
+
+    def _warm_up(self, size, k, metadata, per_layer, slot_mapping, tokens):  # type: ignore[no-untyped-def]
+        self.events.append(f"warm-up {size}")
+        failed = "fresh metadata memory" if size == self.fail_warm_up else None
+        return failed, (per_layer, slot_mapping)
+
+    def _record(self, size, k, rebuilt, tokens):  # type: ignore[no-untyped-def]
+        self.events.append(f"record {size}")
+        if size == self.fail_record:
+            return None, f"capture of {size} x {k} failed: out of memory"
+        return object(), None
+
+
+# Per case: {rank: (warm-up failing at size, recording failing at size)}.
+_RANK_CASES: dict[str, dict[int, tuple[int | None, int | None]]] = {
+    "all-capture": {},
+    "rank-1-capture-fails": {1: (None, 4)},
+    "rank-0-warm-up-fails": {0: (8, None)},
+}
+
+
+def _capture_on_rank(rank: int, store: str, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    results = {}
+    for case, failures in _RANK_CASES.items():
+        graphs = _RankGraphs(dist.group.WORLD, *failures.get(rank, (None, None)))
+        graphs.capture_at_startup([2, 8, 4], 2, _runner_tables())
+        results[case] = {
+            "events": graphs.events,
+            "disabled": graphs.disabled,
+            "captured": graphs.captured,
+        }
+    dist.destroy_process_group()
+    with open(f"{out}.{rank}", "w") as handle:
+        json.dump(results, handle)
+
+
+@pytest.fixture(scope="module")
+def two_rank_captures(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """What each of two ranks (processes over a gloo group) captured, per case."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    root = tmp_path_factory.mktemp("ranks")
+    out = str(root / "result")
+    mp.spawn(_capture_on_rank, args=(str(root / "store"), out), nprocs=2)
+    return [json.loads(open(f"{out}.{rank}").read()) for rank in (0, 1)]
+
+
+def test_ranks_capture_the_same_graphs(two_rank_captures: list[dict]) -> None:
+    for rank in two_rank_captures:
+        case = rank["all-capture"]
+        assert case["disabled"] is None
+        assert case["captured"] == [[2, 2], [4, 2], [8, 2]]
+        assert case["events"] == [
+            "warm-up 8",
+            "record 8",
+            "warm-up 4",
+            "record 4",
+            "warm-up 2",
+            "record 2",
+        ]
+
+
+def test_a_capture_failing_on_one_rank_turns_the_graphs_off_on_every_rank(
+    two_rank_captures: list[dict],
+) -> None:
+    # Rank 0 would otherwise replay its graphs while rank 1 drafts step by step: their
+    # all-reduces would no longer pair up.
+    for rank in two_rank_captures:
+        case = rank["rank-1-capture-fails"]
+        assert case["disabled"] == (
+            "capture of 4 x 2 failed: out of memory (on tensor-parallel rank 1)"
+        )
+        assert case["captured"] == []
+        assert case["events"] == ["warm-up 8", "record 8", "warm-up 4", "record 4"]
+
+
+def test_a_warm_up_failing_on_one_rank_keeps_every_rank_from_capturing(
+    two_rank_captures: list[dict],
+) -> None:
+    # No rank records a graph its peers do not: vLLM's custom all-reduce pairs the ranks'
+    # recorded buffers in the order they were captured.
+    for rank in two_rank_captures:
+        case = rank["rank-0-warm-up-fails"]
+        assert case["disabled"] == "fresh metadata memory (on tensor-parallel rank 0)"
+        assert case["captured"] == []
+        assert case["events"] == ["warm-up 8"]
+
+
+def test_one_rank_decides_alone() -> None:
+    from gemma4_spec.spec_decode.rank_agreement import first_failure, tensor_parallel_cpu_group
+
+    assert tensor_parallel_cpu_group() is None  # no vLLM worker here
+    assert first_failure(None, None) is None
+    assert first_failure("boom", None) == "boom"

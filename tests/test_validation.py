@@ -22,10 +22,13 @@ from transformers import (
 from gemma4_spec.validation import (
     TOKEN_ORDERING_KEY,
     AssistantMismatchError,
+    UnsupportedConfigurationError,
     kv_source_layers,
     layer_attention_shape,
     read_token_ordering,
+    supported_tensor_parallel_sizes,
     validate_pair,
+    validate_tensor_parallel,
     validate_token_ordering,
 )
 
@@ -287,6 +290,58 @@ def test_layer_attention_shape_serialised_per_layer_config() -> None:
     )
     assert layer_attention_shape(config, 0) == (2, 32)
     assert layer_attention_shape(config, 3) == (1, 64)
+
+
+# --- tensor parallelism ----------------------------------------------------------------------
+
+
+def tp_error(draft: Any, tp: int) -> str:
+    with pytest.raises(UnsupportedConfigurationError) as info:
+        validate_tensor_parallel(draft, tp)
+    return str(info.value)
+
+
+def test_tensor_parallel_sizes_that_split_the_assistant_pass() -> None:
+    # 4 query heads, 2 KV heads, intermediate 128: 2 ranks split everything; 4 ranks hold one
+    # query head each over one replicated KV head.
+    for tp in (1, 2, 4):
+        validate_tensor_parallel(as_vllm_sees_it(assistant()), tp)
+    assert supported_tensor_parallel_sizes(assistant()) == [1, 2, 4]
+
+
+def test_tensor_parallel_size_not_dividing_the_query_heads() -> None:
+    message = tp_error(assistant(), 3)
+    assert "tensor_parallel_size=3" in message
+    assert "num_attention_heads=4" in message and "layer 0" in message
+    assert "(1, 2, 4)" in message  # the sizes that would work
+
+
+def test_tensor_parallel_size_splitting_the_kv_heads_unevenly() -> None:
+    # 6 query heads over 3 KV heads: 2 ranks split the queries but not the KV heads (3 is
+    # neither a multiple of 2 nor divides it), so a rank's queries would miss their KV head.
+    text = dict(num_attention_heads=6, num_key_value_heads=3, intermediate_size=132)
+    message = tp_error(assistant(text), 2)
+    assert "num_key_value_heads=3" in message and "tensor_parallel_size=2" in message
+    assert supported_tensor_parallel_sizes(assistant(text)) == [1, 3, 6]
+
+
+def test_tensor_parallel_size_not_dividing_the_mlp() -> None:
+    message = tp_error(assistant({"intermediate_size": 130}), 4)
+    assert "intermediate_size=130" in message and "tensor_parallel_size=4" in message
+    assert supported_tensor_parallel_sizes(assistant({"intermediate_size": 130})) == [1, 2]
+
+
+def test_tensor_parallel_over_k_eq_v_full_layers() -> None:
+    # Like Gemma 4 31B: full-attention layers keep fewer KV heads (here 1, replicated on every
+    # rank), sliding layers 2 (split over 2 ranks).
+    draft = assistant({"attention_k_eq_v": True, "num_global_key_value_heads": 1})
+    assert layer_attention_shape(draft.get_text_config(), 1) == (1, 64)
+    validate_tensor_parallel(draft, 2)
+    assert supported_tensor_parallel_sizes(draft) == [1, 2, 4]
+
+
+def test_tensor_parallel_error_is_a_value_error() -> None:
+    assert issubclass(UnsupportedConfigurationError, ValueError)
 
 
 # --- token ordering --------------------------------------------------------------------------

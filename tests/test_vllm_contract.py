@@ -337,6 +337,13 @@ CONTRACTS: tuple[Contract, ...] = (
     ),
     Exists("vllm.platforms.interface:Platform.get_global_graph_pool", "callable"),
     Exists("vllm.distributed.parallel_state:get_pp_group", "callable"),
+    Exists("vllm.distributed.parallel_state:get_tp_group", "callable"),
+    Exists("vllm.distributed.parallel_state:model_parallel_is_initialized", "callable"),
+    Attributes(
+        "vllm.distributed.parallel_state:GroupCoordinator",
+        ("cpu_group", "world_size"),
+        why="the draft-loop graphs' capture is agreed over the TP ranks' CPU group",
+    ),
     Exists("vllm.v1.utils:record_function_or_nullcontext", "callable"),
     Attributes(
         "vllm.config:VllmConfig",
@@ -368,6 +375,7 @@ CONTRACTS: tuple[Contract, ...] = (
         (
             "data_parallel_size",
             "pipeline_parallel_size",
+            "tensor_parallel_size",
             "decode_context_parallel_size",
             "enable_dbo",
         ),

@@ -95,7 +95,7 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -192,15 +192,21 @@ class FusedCentroidState:
     num_centroids: int
     vocab: int
     top_k: int
+    # Counters outgrown by a larger batch, kept: a CUDA graph captured before the growth still
+    # reads and resets them at every replay (freed, that memory would go to other tensors).
+    retired: list[torch.Tensor] = field(default_factory=list)
+    # Whether a CUDA graph was captured over this state (it then outlives the cache's entry).
+    captured: bool = False
 
     def ensure_capacity(self, num_tokens: int) -> None:
         if num_tokens <= self.counters.shape[1]:
             return
-        if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
+        if _capturing(self.counters.device):
             raise RuntimeError(
                 f"centroid argmax: {num_tokens} tokens exceed the prepared capacity "
                 f"{self.counters.shape[1]}; run once with the largest batch before capture"
             )
+        self.retired.append(self.counters)
         self.counters = torch.zeros(
             COUNTER_ROWS, max(num_tokens, 2 * self.counters.shape[1]), dtype=torch.int32,
             device=self.counters.device,
@@ -229,6 +235,10 @@ def prepare_fused_centroid_argmax(
 # Keyed by the identity and version of the mask's tensors; the entry holds them alive, so an
 # id cannot be reused by another tensor while its entry exists.
 _STATE_CACHE: dict[tuple, tuple[tuple[torch.Tensor, ...], FusedCentroidState]] = {}
+# States a CUDA graph was captured over, kept past their cache entry: the graph reads their
+# draft ids and counters at every replay (vLLM's in-tree drafter crashed replaying a graph over
+# a tensor freed after its capture, with tensor parallelism: vllm#43909).
+_CAPTURED_STATES: list[FusedCentroidState] = []
 
 
 def _state_for(mask: CentroidMask, vocab: int) -> FusedCentroidState:
@@ -244,12 +254,21 @@ def _state_for(mask: CentroidMask, vocab: int) -> FusedCentroidState:
     )
     hit = _STATE_CACHE.get(key)
     if hit is not None:
-        return hit[1]
-    if len(_STATE_CACHE) >= 8:
-        _STATE_CACHE.clear()
-    state = prepare_fused_centroid_argmax(mask, vocab)
-    _STATE_CACHE[key] = (sources, state)
+        state = hit[1]
+    else:
+        if len(_STATE_CACHE) >= 8:
+            _STATE_CACHE.clear()  # captured states live on in _CAPTURED_STATES
+        state = prepare_fused_centroid_argmax(mask, vocab)
+        _STATE_CACHE[key] = (sources, state)
+    if not state.captured and _capturing(state.draft_ids.device):
+        state.captured = True
+        _CAPTURED_STATES.append(state)
     return state
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of ``device``'s kind."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # --------------------------------------------------------------------------------------------

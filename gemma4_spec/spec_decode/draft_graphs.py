@@ -26,7 +26,8 @@ parallelism, for batch sizes the runner has drafter graphs for, and when every d
 backend supports full graphs for single-token decoding and builds its metadata over the
 buffers it is given (checked at capture); otherwise, or with
 ``GEMMA4_SPEC_FULL_DRAFT_GRAPHS=0``, the proposer drafts step by step as before. If a capture
-fails, the reason is logged and the step-by-step path is used from then on.
+fails, the reason is logged and the step-by-step path is used from then on; under tensor
+parallelism, on every rank (``rank_agreement.py`` says why the ranks must agree).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from gemma4_spec.compat import draft_metadata_rebuild_free
 from gemma4_spec.log import get_logger
 from gemma4_spec.ops.draft_inputs import DraftStepBuffers, DraftStepSources, stage_draft_inputs
 from gemma4_spec.ops.graphed_launch import GraphedLaunches
+from gemma4_spec.spec_decode.rank_agreement import first_failure, tensor_parallel_cpu_group
 from gemma4_spec.switches import turned_off
 
 if TYPE_CHECKING:
@@ -318,27 +320,65 @@ class DraftLoopGraphs:
         per_layer: dict[str, object],
         slot_mapping: dict[str, torch.Tensor],
     ) -> None:
-        p = self._p
-        tokens = torch.zeros(size, k, dtype=torch.int64, device=p.device)
-        # Once eagerly first: kernels compile and per-weight state is built outside the capture.
+        """Capture the loop of ``k`` steps over ``size`` rows, or turn the graphs off. Under
+        tensor parallelism the ranks agree before capturing and after (``rank_agreement.py``):
+        all capture, or none; all keep their graphs, or none."""
+        tokens = torch.zeros(size, k, dtype=torch.int64, device=self._p.device)
+        reason, rebuilt = self._warm_up(size, k, metadata, per_layer, slot_mapping, tokens)
+        reason = first_failure(reason, self._rank_group())
+        if reason is not None:
+            self._disable(reason)
+            return
+        graph, reason = self._record(size, k, rebuilt, tokens)
+        reason = first_failure(reason, self._rank_group())
+        if reason is not None or graph is None:
+            self._disable(reason or f"capture of {size} x {k} failed")
+            return
+        self._graphs[(size, k)] = (graph, tokens)
+        logger.debug("gemma4_spec: captured the draft loop for %d requests x %d steps", size, k)
+
+    def _rank_group(self) -> Any | None:
+        """The CPU process group of the tensor-parallel ranks (None with one rank)."""
+        return tensor_parallel_cpu_group()
+
+    def _warm_up(
+        self,
+        size: int,
+        k: int,
+        metadata: CommonAttentionMetadata,
+        per_layer: dict[str, object],
+        slot_mapping: dict[str, torch.Tensor],
+        tokens: torch.Tensor,
+    ) -> tuple[str | None, tuple[dict[str, object], dict[str, torch.Tensor]]]:
+        """Run the loop once eagerly (kernels compile and per-weight state is built outside the
+        capture; under vLLM's capture its custom all-reduce returns unwritten memory here, so
+        the tokens are meaningless), then rebuild the metadata over the buffers. Returns why
+        not to capture (None: capture) and the rebuilt (metadata, slot mapping)."""
         self._loop(size, k, per_layer, slot_mapping, tokens)
         rebuilt = self._metadata(metadata, size, size)
-        moved = _moved_tensors(per_layer, rebuilt[0], p.device.type)
+        moved = _moved_tensors(per_layer, rebuilt[0], self._p.device.type)
         if moved:
-            self._disable(f"attention metadata built in fresh memory each step ({moved})")
-            return
+            return f"attention metadata built in fresh memory each step ({moved})", rebuilt
+        return None, rebuilt
+
+    def _record(
+        self,
+        size: int,
+        k: int,
+        rebuilt: tuple[dict[str, object], dict[str, torch.Tensor]],
+        tokens: torch.Tensor,
+    ) -> tuple[torch.cuda.CUDAGraph | None, str | None]:
+        """The captured loop, or None and why the capture failed."""
         try:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            torch.cuda.synchronize(p.device)
+            torch.cuda.synchronize(self._p.device)
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 self._loop(size, k, rebuilt[0], rebuilt[1], tokens)
         except Exception as exc:  # keep serving: the step-by-step path computes the same
-            self._disable(f"capture of {size} x {k} failed: {type(exc).__name__}: {exc}")
-            return
-        self._graphs[(size, k)] = (graph, tokens)
-        logger.debug("gemma4_spec: captured the draft loop for %d requests x %d steps", size, k)
+            return None, f"capture of {size} x {k} failed: {type(exc).__name__}: {exc}"
+        return graph, None
 
 
 def _pad_common_metadata(

@@ -1,10 +1,12 @@
 """Run ``vllm.LLM`` generation with or without Gemma 4 MTP and collect tokens and counters.
 
 ``generate`` runs in the calling process (the demo uses it). ``generate_in_subprocess`` runs
-a list of configurations in one fresh Python process, so tests can choose ``VLLM_PLUGINS`` per
-process (our plugin vs vLLM's in-tree gemma4_mtp). There the engine core and its worker run in
-that process too (vLLM's single-process mode), which makes each further engine start in seconds
-instead of the ~30 s a new worker process costs on a small CPU machine.
+a list of configurations in one fresh Python process, so tests can choose ``VLLM_PLUGINS`` (our
+plugin vs vLLM's in-tree gemma4_mtp) and other environment variables per process. There the
+engine core and its worker run in that process too (vLLM's single-process mode), which makes
+each further engine start in seconds instead of the ~30 s a new worker process costs on a small
+CPU machine. With ``tensor_parallel_size`` > 1 the engine core still runs there, and vLLM's
+multiprocessing executor starts one worker process per rank.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,8 @@ class RunConfig:
     enforce_eager: bool = True
     seed: int = 0
     max_model_len: int = 512
+    # Ranks of tensor parallelism (vLLM's tensor_parallel_size): one worker process each.
+    tensor_parallel_size: int = 1
     # Small values force chunked prefill of long prompts; None keeps vLLM's default.
     max_num_batched_tokens: int | None = None
     # Further ``vllm.LLM`` keyword arguments (JSON-serialisable), applied last.
@@ -65,6 +70,9 @@ class RunResult:
     runner_class: str | None = None
     drafter_class: str | None = None
     draft_model_class: str | None = None  # the model the drafter runs
+    # Query heads each assistant layer computes on this rank (all of them without tensor
+    # parallelism, a share of them with it); empty if the drafter's model has no such layers.
+    draft_query_heads: list[int] = field(default_factory=list)
     sampler_graph_sizes: list[int] = field(default_factory=list)
     # (padded batch size, k) of the whole draft loops it replayed from CUDA graphs, and why it
     # drafted step by step instead (None if it did not).
@@ -100,6 +108,9 @@ class RunResult:
     # Async scheduling's computed-token corrections replayed from CUDA graphs
     # (spec_decode/computed_tokens.py).
     correction_graph_replays: int = 0
+    # The facts above as every worker reported them, in rank order (the fields hold rank 0's):
+    # under tensor parallelism every rank drafts, and must take the same paths.
+    rank_facts: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def acceptance(self) -> Acceptance:
@@ -127,10 +138,13 @@ def engine_kwargs(config: RunConfig, *, single_process: bool = False) -> dict[st
         gpu_memory_utilization=0.3,
         disable_log_stats=False,
     )
+    if config.tensor_parallel_size != 1:
+        kwargs["tensor_parallel_size"] = config.tensor_parallel_size
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
     if single_process:
-        kwargs["distributed_executor_backend"] = "uni"
+        # One worker in this process; several ranks need a process each.
+        kwargs["distributed_executor_backend"] = "uni" if config.tensor_parallel_size == 1 else "mp"
     if config.assistant is not None:
         kwargs["speculative_config"] = {
             "method": "gemma4_mtp",
@@ -171,12 +185,12 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
     if runner is not None:
         result.proposer_class = _class_path(runner.Gemma4Proposer)
-    (worker,) = llm.collective_rpc(_worker_facts)
-    for name, value in worker.items():  # the facts are named as the fields they fill
+    result.rank_facts = llm.collective_rpc(_worker_facts)
+    for name, value in result.rank_facts[0].items():  # named as the fields they fill
         if not hasattr(result, name):
             raise AttributeError(f"worker fact {name!r} is no field of {type(result).__name__}")
         setattr(result, name, value)
-    result.draft_loop_graphs = [tuple(x) for x in worker["draft_loop_graphs"]]
+    result.draft_loop_graphs = [tuple(x) for x in result.rank_facts[0]["draft_loop_graphs"]]
     del llm
     return result
 
@@ -208,6 +222,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "draft_model_class": None
         if getattr(drafter, "model", None) is None
         else _class_path(type(drafter.model)),
+        "draft_query_heads": _draft_query_heads(getattr(drafter, "model", None)),
         "sampler_graph_sizes": list(getattr(sampler, "captured_sizes", [])),
         "draft_loop_graphs": [] if loops is None else loops.captured,
         "draft_loop_graphs_off": None if loops is None else loops.disabled,
@@ -232,22 +247,33 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
     }
 
 
+def _draft_query_heads(model: Any) -> list[int]:
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    heads = [getattr(getattr(layer, "self_attn", None), "num_heads", None) for layer in layers]
+    return [h for h in heads if isinstance(h, int)]
+
+
 def generate_in_subprocess(
-    configs: list[RunConfig], *, plugins: str | None = None, timeout: float = 1200
+    configs: list[RunConfig],
+    *,
+    plugins: str | None = None,
+    timeout: float = 1200,
+    env: Mapping[str, str] | None = None,
 ) -> list[RunResult]:
     """Run ``generate`` for each config, in order, in a new interpreter; ``plugins`` sets
-    ``VLLM_PLUGINS`` (``None`` leaves it unset: every installed plugin loads)."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.pop("VLLM_PLUGINS", None)
+    ``VLLM_PLUGINS`` (``None`` leaves it unset: every installed plugin loads), ``env`` sets
+    further environment variables of that interpreter (and of vLLM's worker processes)."""
+    child_env = {**os.environ, **(env or {})}
+    child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    child_env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
-        env["VLLM_PLUGINS"] = plugins
+        child_env["VLLM_PLUGINS"] = plugins
     with tempfile.TemporaryDirectory() as tmp:
         request, response = Path(tmp) / "config.json", Path(tmp) / "result.json"
         request.write_text(json.dumps([asdict(c) for c in configs]))
         proc = subprocess.run(
             [sys.executable, "-m", __name__, str(request), str(response)],
-            env=env,
+            env=child_env,
             capture_output=True,
             text=True,
             timeout=timeout,
