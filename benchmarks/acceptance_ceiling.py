@@ -43,7 +43,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -303,19 +303,31 @@ def per_position(steps: StepOutputs, setting: Setting) -> dict[str, torch.Tensor
 # --- a Monte Carlo replica of the decoding loop (cross-check) ------------------------------
 
 
+@dataclass(frozen=True)
+class Cycle:
+    """One draft-verify cycle of the simulated loop."""
+
+    question: int
+    accepted: int  # drafts accepted (0..k)
+    step1_expected: float  # P(accept) of its first draft given the context: sum min(p1, q1)
+    after_rejection: bool  # its context ends in a replacement token (the last cycle rejected)
+
+
 @dataclass
 class LoopCounts:
-    """Counters as vLLM's spec-decode metrics keep them."""
+    """Counters as vLLM's spec-decode metrics keep them, and every cycle."""
 
     num_drafts: int = 0  # draft-verify cycles
     accepted_per_position: list[int] | None = None  # accepted drafts at step s (all earlier ok)
+    cycles: list[Cycle] = field(default_factory=list)
 
-    def add(self, accepted: int, k: int) -> None:
+    def add(self, cycle: Cycle, k: int) -> None:
         if self.accepted_per_position is None:
             self.accepted_per_position = [0] * k
         self.num_drafts += 1
-        for s in range(accepted):
+        for s in range(cycle.accepted):
             self.accepted_per_position[s] += 1
+        self.cycles.append(cycle)
 
 
 @torch.no_grad()
@@ -350,6 +362,7 @@ def simulate_decoding(
     max_tokens: int,
     gen: torch.Generator,
     counts: LoopCounts,
+    question: int = 0,
 ) -> list[int]:
     """Speculative decoding of one request, as vLLM runs it, with real random draws.
 
@@ -384,6 +397,7 @@ def simulate_decoding(
     ids = list(prompt)
     out = forward(ids)
     generated = [sample(probs_of(out.logits[0, -1]))]
+    rejected = False  # whether the last cycle ended in a rejection
     while len(generated) < max_tokens and generated[-1] not in eos_ids:
         context = ids + generated
         anchor = len(context) - 2
@@ -406,6 +420,7 @@ def simulate_decoding(
             token = torch.tensor(draft)
         out = forward(context + drafts)
         verify = out.logits[0, len(context) - 1 :]  # [k + 1, V]: p_1 .. p_{k+1}
+        step1_expected = float(probabilistic_acceptance(probs_of(verify[0]), draft_dists[0]))
         new_tokens: list[int] = []
         for j, (draft, q) in enumerate(zip(drafts, draft_dists, strict=True)):
             p = probs_of(verify[j])
@@ -418,7 +433,8 @@ def simulate_decoding(
             break
         else:
             new_tokens.append(sample(probs_of(verify[k])))
-        counts.add(len(new_tokens) - 1, k)
+        counts.add(Cycle(question, len(new_tokens) - 1, step1_expected, rejected), k)
+        rejected = len(new_tokens) - 1 < k
         for new in new_tokens:
             generated.append(new)
             if new in eos_ids or len(generated) >= max_tokens:
@@ -437,6 +453,7 @@ def simulate(
     max_tokens: int,
     passes: int,
     seed: int,
+    resamples: int,
 ) -> dict[str, Any]:
     """Both draft methods over every prompt, ``passes`` times: vLLM's acceptance counters."""
     result: dict[str, Any] = {}
@@ -444,21 +461,49 @@ def simulate(
         gen = torch.Generator().manual_seed(seed)
         counts = LoopCounts()
         for _ in range(passes):
-            for prompt in prompts:
+            for question, prompt in enumerate(prompts):
                 simulate_decoding(
-                    target, assistant, prompt, setting, method, k, max_tokens, gen, counts
+                    target, assistant, prompt, setting, method, k, max_tokens, gen, counts, question
                 )
         accepted = counts.accepted_per_position or [0] * k
-        drafts = max(1, counts.num_drafts)
+        cycles = counts.cycles
+        after = torch.tensor([float(c.after_rejection) for c in cycles])
+        step1 = torch.tensor([float(c.accepted > 0) for c in cycles])
+        expected = torch.tensor([c.step1_expected for c in cycles])
+        columns = {
+            "accepted": torch.tensor([float(c.accepted) for c in cycles]),
+            "step1": step1,
+            "expected": expected,
+            "after": after,
+            "step1_after": step1 * after,
+            "expected_after": expected * after,
+        }
+        question = torch.tensor([c.question for c in cycles])
+        stats = Clustered(columns, question, resamples, seed)
         result[method] = {
             "num_drafts": counts.num_drafts,
             "accepted_per_position": accepted,
-            "acceptance_rate": sum(accepted) / (drafts * k),
-            "mean_accepted_length": 1.0 + sum(accepted) / drafts,
-            "step1": accepted[0] / drafts,
+            "acceptance_rate": stats.estimate(lambda m: m["accepted"] / k),
+            "mean_accepted_length": stats.estimate(lambda m: 1.0 + m["accepted"]),
+            "step1": stats.estimate(lambda m: m["step1"]),
+            # The first draft's acceptance probability averaged over the contexts the loop
+            # drafts from (all cycles; those after a rejection; the rest): the same formula as
+            # the per-position table, but weighted as the loop visits positions.
+            "step1_expected": stats.estimate(lambda m: m["expected"]),
+            "share_after_rejection": stats.estimate(lambda m: m["after"]),
+            "step1_expected_after_rejection": stats.estimate(
+                lambda m: m["expected_after"] / m["after"]
+            ),
+            "step1_expected_otherwise": stats.estimate(
+                lambda m: (m["expected"] - m["expected_after"]) / (1 - m["after"])
+            ),
         }
-    greedy, prob = result["greedy"], result["probabilistic"]
-    result["length_ratio"] = prob["mean_accepted_length"] / greedy["mean_accepted_length"]
+    greedy = result["greedy"]["mean_accepted_length"]
+    prob = result["probabilistic"]["mean_accepted_length"]
+    ratio = prob["mean"] / greedy["mean"]
+    # The two methods' runs are independent: relative errors add in quadrature.
+    relative = ((prob["se"] / prob["mean"]) ** 2 + (greedy["se"] / greedy["mean"]) ** 2) ** 0.5
+    result["length_ratio"] = {"mean": ratio, "se": ratio * relative}
     return result
 
 
@@ -591,18 +636,23 @@ def markdown_tables(results: dict[str, Any]) -> str:
     if simulated:
         lines += [
             "",
-            "| setting | drafts | cycles | accepted at steps 1..k | step-1 acceptance "
-            "| accepted/drafted | mean accepted length | probabilistic/greedy length |",
-            "|---|---|---|---|---|---|---|---|",
+            "| setting | drafts | cycles | accepted at steps 1..k | accepted/drafted "
+            "| mean accepted length | probabilistic/greedy length | step-1 accepted "
+            "| step-1 P(accept): all cycles | after a rejection | otherwise "
+            "| cycles after a rejection |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, sim in simulated.items():
             for method in ("greedy", "probabilistic"):
                 m = sim[method]
-                ratio = f"{sim['length_ratio']:.3f}" if method == "probabilistic" else ""
+                ratio = _fmt(sim["length_ratio"]) if method == "probabilistic" else ""
                 lines.append(
                     f"| {name} | {method} | {m['num_drafts']} | {m['accepted_per_position']} "
-                    f"| {m['step1']:.3f} | {m['acceptance_rate']:.3f} "
-                    f"| {m['mean_accepted_length']:.3f} | {ratio} |"
+                    f"| {_fmt(m['acceptance_rate'])} | {_fmt(m['mean_accepted_length'])} "
+                    f"| {ratio} | {_fmt(m['step1'])} | {_fmt(m['step1_expected'])} "
+                    f"| {_fmt(m['step1_expected_after_rejection'])} "
+                    f"| {_fmt(m['step1_expected_otherwise'])} "
+                    f"| {_fmt(m['share_after_rejection'])} |"
                 )
     return "\n".join(lines)
 
@@ -683,6 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.max_tokens,
                 args.simulate,
                 args.seed + 100 + index,
+                args.resamples,
             )
             print(f"{setting.name}: simulated", file=sys.stderr, flush=True)
     results["seconds"] = round(time.perf_counter() - began, 1)
