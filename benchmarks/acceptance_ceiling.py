@@ -31,7 +31,7 @@ approximations, see the results README. Standard errors come from a bootstrap ov
 (positions of one answer are correlated).
 
     python benchmarks/acceptance_ceiling.py [--questions 32] [--max-tokens 64] [--k 3] \
-        [--json OUT.json]
+        [--simulate PASSES] [--json OUT.json]
 """
 
 from __future__ import annotations
