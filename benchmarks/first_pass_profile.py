@@ -14,7 +14,6 @@ import pstats
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import real_work  # noqa: E402
@@ -35,15 +34,8 @@ def main() -> int:
     from vllm import LLM, SamplingParams
 
     target, assistant = real_work._pair(args.pair, Path(args.workdir))
-    kwargs: dict[str, Any] = dict(real_work.ENGINE, model=str(target))
-    kwargs["skip_tokenizer_init"] = args.pair == "e2b"
-    kwargs["speculative_config"] = {
-        "method": "gemma4_mtp",
-        "model": str(assistant),
-        "num_speculative_tokens": args.k,
-        **real_work.VARIANTS[args.variant]["spec"],
-    }
-    llm = LLM(**kwargs)
+    spec = real_work.VARIANTS[args.variant]["spec"]
+    llm = LLM(**real_work.engine_kwargs(args.pair, target, assistant, args.k, spec))
     batches = [int(b) for b in args.batch.split(",")]
     prompts = real_work._prompts(args.pair, target, max(batches))
     params = SamplingParams(

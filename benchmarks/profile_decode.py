@@ -47,24 +47,16 @@ def main() -> None:
 
     if args.variant != "plain" and args.variant not in real_work.VARIANTS:
         parser.error(f"--variant: plain or one of {sorted(real_work.VARIANTS)}")
-    os.environ.update(
-        real_work.VARIANTS.get(args.variant, {"env": {"VLLM_PLUGINS": "none"}})["env"]
-    )
+    variant = real_work.VARIANTS.get(args.variant, {"env": real_work.PLAIN_ENV, "spec": {}})
+    os.environ.update(variant["env"])
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # the runner's scopes
     from vllm import LLM
 
     target, assistant = real_work._pair(args.pair, Path(args.workdir))
-    kwargs: dict[str, Any] = dict(real_work.ENGINE, model=str(target))
-    kwargs["skip_tokenizer_init"] = args.pair == "e2b"
-    if args.variant != "plain":
-        kwargs["speculative_config"] = {
-            "method": "gemma4_mtp",
-            "model": str(assistant),
-            "num_speculative_tokens": args.k,
-        }
+    k = 0 if args.variant == "plain" else args.k
     _choose_draft_argmax(args.draft_argmax)
-    llm = LLM(**kwargs)
+    llm = LLM(**real_work.engine_kwargs(args.pair, target, assistant, k, variant["spec"]))
     batches = [int(b) for b in args.batch.split(",")]
     all_prompts = real_work._prompts(args.pair, target, max(batches))
     for batch in batches:

@@ -58,9 +58,10 @@ ENGINE: dict[str, Any] = dict(
     attention_config={"backend": "TRITON_ATTN"},
     disable_log_stats=False,
 )
+PLAIN_ENV = {"VLLM_PLUGINS": "none"}  # plain decoding: vLLM alone
 # How each speculative engine runs: its environment and speculative-config additions.
 VARIANTS: dict[str, dict[str, Any]] = {
-    "in-tree": {"env": {"VLLM_PLUGINS": "none"}, "spec": {}},
+    "in-tree": {"env": PLAIN_ENV, "spec": {}},
     # Ours on each runner: our proposer on V1; on V2 vLLM's speculator with our model and
     # centroid argmax. With VLLM_USE_V2_MODEL_RUNNER unset ours runs on the plugin's default.
     "ours-V1": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "spec": {}},
@@ -72,7 +73,7 @@ def configurations(
     ks: list[int], profiles: list[str], variants: list[str], draft_method: str = "greedy"
 ) -> dict[str, dict[str, Any]]:
     """name -> {env, k, spec (speculative-config additions)} of one engine."""
-    configs: dict[str, dict[str, Any]] = {"plain": {"env": {"VLLM_PLUGINS": "none"}, "k": 0}}
+    configs: dict[str, dict[str, Any]] = {"plain": {"env": PLAIN_ENV, "k": 0}}
     for profile in profiles:
         for k in ks:
             spec: dict[str, Any] = {}
@@ -102,6 +103,33 @@ def _pair(pair: str, workdir: Path) -> tuple[Path, Path]:
     return tiny_gsm8k_pair()
 
 
+def engine_kwargs(
+    pair: str,
+    target: Path,
+    assistant: Path,
+    k: int,
+    spec: dict[str, Any] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``LLM(...)`` arguments of one engine on ``pair``: ``ENGINE`` with ``overrides`` over it
+    (a None value drops the argument), and gemma4_mtp with ``k`` drafts and ``spec``'s additions
+    when ``k`` > 0 (plain decoding otherwise)."""
+    kwargs = {
+        key: value
+        for key, value in dict(ENGINE, model=str(target), **(overrides or {})).items()
+        if value is not None
+    }
+    kwargs["skip_tokenizer_init"] = pair == "e2b"
+    if k:
+        kwargs["speculative_config"] = {
+            "method": "gemma4_mtp",
+            "model": str(assistant),
+            "num_speculative_tokens": k,
+            **(spec or {}),
+        }
+    return kwargs
+
+
 def _prompts(pair: str, target: Path, count: int) -> list[dict[str, Any]]:
     if pair == "e2b":
         rng = random.Random(0)
@@ -125,16 +153,9 @@ def _worker(args: argparse.Namespace) -> None:
 
     config = json.loads(args.config)
     target, assistant = _pair(args.pair, Path(args.workdir))
-    kwargs: dict[str, Any] = dict(ENGINE, model=str(target), **json.loads(args.engine))
-    kwargs = {key: value for key, value in kwargs.items() if value is not None}
-    kwargs["skip_tokenizer_init"] = args.pair == "e2b"
-    if config["k"]:
-        kwargs["speculative_config"] = {
-            "method": "gemma4_mtp",
-            "model": str(assistant),
-            "num_speculative_tokens": config["k"],
-            **config["spec"],
-        }
+    kwargs = engine_kwargs(
+        args.pair, target, assistant, config["k"], config.get("spec"), json.loads(args.engine)
+    )
     started = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - started
@@ -317,14 +338,14 @@ def print_tables(saved: dict[str, Any]) -> None:
             tps = [r["tokens_per_s"] for r in result["runs"][b][1:]]
             cells.append(f"{min(tps):7.0f} - {max(tps):7.0f}")
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
-    print(
-        "\nsteady rounds paired with the in-tree engine's round of the same number (taken in "
-        "turn, so the host's drift hits both): median ratio (lowest - highest)"
-    )
-    for name, result in results.items():
-        other = in_tree_of(name)
-        if other is None:
-            continue
+    paired = {name: other for name in results if (other := in_tree_of(name)) is not None}
+    if paired:
+        print(
+            "\nsteady rounds paired with the in-tree engine's round of the same number (taken "
+            "in turn, so the host's drift hits both): median ratio (lowest - highest)"
+        )
+    for name, other in paired.items():
+        result = results[name]
         cells = []
         for b in batches:
             pairs = zip(result["runs"][b][1:], results[other]["runs"][b][1:], strict=False)

@@ -15,9 +15,10 @@ What differs, and how we bridge it:
 * Building a draft layer group's attention metadata: 0.32 added
   ``AttentionGroup.build_metadata_for_drafting`` (it also maps block tables to the kernel block
   size); 0.26 asks the group's metadata builder directly (``build_for_drafting``).
-* The model runner: from 0.26, vLLM picks Model Runner V2 for Gemma 4 on GPU, where the V1
-  proposer this package provides is never used. ``patch/patch_vllm_config.py`` selects V1 for
-  gemma4_mtp (the property it wraps, ``VllmConfig.use_v2_model_runner``, exists in all of them).
+* The model runner: from 0.26, vLLM picks Model Runner V2 for Gemma 4 on GPU, where vLLM's
+  speculator drafts with our assistant model and the V1 proposer this package provides is not
+  used. ``patch/patch_vllm_config.py`` holds gemma4_mtp's default runner (V2 today, vLLM's own
+  choice; the property it wraps, ``VllmConfig.use_v2_model_runner``, exists in all of them).
 * Verification attention as one-token sequences (``patch/patch_triton_attn.py``) relies on how
   the Triton backend sizes its decode scratch buffers: by ``seq_threshold_3D`` rows in 0.26;
   later versions size them by other rules (0.32 also picks 64 segments for few sequences; 0.33
