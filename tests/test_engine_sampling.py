@@ -37,6 +37,8 @@ from transformers import AutoTokenizer
 from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.testing.chi_square import ChiSquare, two_sample
 from gemma4_spec.testing.engine_run import (
+    GPU_ENGINE_KWARGS,
+    PLUGIN_DRAFT_MODEL,
     PLUGIN_PROPOSER,
     RunConfig,
     RunResult,
@@ -59,18 +61,11 @@ SETTINGS: dict[str, dict[str, Any]] = {
 }
 GREEDY = dict(temperature=0.0)
 TOP_K_1 = dict(temperature=1.0, top_k=1, seed=None)
-OUR_MODEL = "gemma4_spec.models.gemma4_mtp.Gemma4AssistantForDrafting"
 SEEDED = dict(temperature=1.0, seed=1234)
 N_BEST = dict(temperature=1.0, seed=None, n=3)
 # Draft probability the biased sampler pretends each (greedy) draft had.
 BIASED_DRAFT_PROB = 0.5
 ON_GPU = torch.cuda.is_available()
-# On a GPU: CUDA graphs, the TRITON_ATTN backend (every CUDA GPU vLLM supports has it) and a fixed
-# KV budget (no memory profiling).
-GPU_ENGINE: dict[str, Any] = {
-    "attention_config": {"backend": "TRITON_ATTN"},
-    "kv_cache_memory_bytes": 1 << 30,
-}
 V2_SUFFIX = "-V2"  # engines drafting on Model Runner V2 (GPU only)
 
 _BIAS_HOOK = f'''
@@ -129,7 +124,7 @@ def _batch() -> tuple[list[list[int]], list[dict[str, Any]], list[tuple[int, str
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     target, assistant = tiny_gsm8k_pair()
     prompts, sampling, labels = _batch()
-    engine = GPU_ENGINE if ON_GPU else {}
+    engine = GPU_ENGINE_KWARGS if ON_GPU else {}
     base: dict[str, Any] = dict(
         target=str(target),
         prompts=prompts,
@@ -157,27 +152,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     results = dict(zip(names, generate_in_subprocess(configs), strict=True))
     if ON_GPU:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
-            on_v2 = generate_in_subprocess(configs[2:])
+        on_v2 = generate_in_subprocess(configs[2:], env={"VLLM_USE_V2_MODEL_RUNNER": "1"})
         for name, run in zip(names[2:], on_v2, strict=True):
             results[name + V2_SUFFIX] = run
     hook = tmp_path_factory.mktemp("biased")
     (hook / "sitecustomize.py").write_text(textwrap.dedent(_BIAS_HOOK))
-    with pytest.MonkeyPatch.context() as mp:
-        # The hook first; the checkout and whatever the environment already puts on the path
-        # (the GPU machine's staged vLLM) after it.
-        mp.setenv(
-            "PYTHONPATH",
-            os.pathsep.join(
-                [
-                    str(hook),
-                    str(Path(__file__).resolve().parents[1]),
-                    os.environ.get("PYTHONPATH", ""),
-                ]
-            ).rstrip(os.pathsep),
-        )
-        (results["biased-k3"],) = generate_in_subprocess([configs[2]])
+    # The hook first; the checkout and whatever the environment already puts on the path (the
+    # GPU machine's staged vLLM) after it.
+    path = [str(hook), str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+    (results["biased-k3"],) = generate_in_subprocess(
+        [configs[2]], env={"PYTHONPATH": os.pathsep.join(path).rstrip(os.pathsep)}
+    )
     return {"labels": labels, **results}
 
 
@@ -206,7 +191,7 @@ def test_sampled_distribution_is_kept(
     spec: RunResult = runs[name]
     if name.endswith(V2_SUFFIX):  # vLLM's speculator with our assistant model
         assert spec.drafter_class is not None and "Gemma4Speculator" in spec.drafter_class
-        assert spec.draft_model_class == OUR_MODEL
+        assert spec.draft_model_class == PLUGIN_DRAFT_MODEL
     else:
         assert spec.proposer_class == PLUGIN_PROPOSER
     assert spec.acceptance.num_accepted_tokens > 0  # drafts were accepted, not only rejected

@@ -16,7 +16,13 @@ import random
 import pytest
 import torch
 
-from gemma4_spec.testing.engine_run import PLUGIN_PROPOSER, RunConfig, generate_in_subprocess
+from gemma4_spec.testing.engine_run import (
+    GPU_ENGINE_KWARGS,
+    PLUGIN_DRAFT_MODEL,
+    PLUGIN_PROPOSER,
+    RunConfig,
+    generate_in_subprocess,
+)
 from gemma4_spec.testing.kv_norms import add_missing_k_norms
 from gemma4_spec.testing.tiny import (
     build_tiny_assistant,
@@ -30,10 +36,6 @@ pytestmark = [
 ]
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
-OUR_MODEL = "gemma4_spec.models.gemma4_mtp.Gemma4AssistantForDrafting"
-# TRITON_ATTN runs on every CUDA GPU vLLM supports (vLLM's own pick on an H200 may need extra
-# packages); a fixed KV budget skips memory profiling.
-GPU_ENGINE = {"attention_config": {"backend": "TRITON_ATTN"}, "kv_cache_memory_bytes": 1 << 30}
 PROMPT_LENGTHS = (3, 9, 21, 40, 70)
 MAX_TOKENS = 48
 
@@ -51,8 +53,6 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
     0.26 keeps process-global CUDA-graph state that a V1 engine leaves unfit for a later V2
     engine in the same process ("CUDA graph capturing detected at an inappropriate time"), so
     each runner gets its own process. Greedy float32 output does not depend on the runner."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_USE_V2_MODEL_RUNNER", runner)
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
     configs = {}
@@ -62,16 +62,15 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
             prompts=prompts,
             max_tokens=MAX_TOKENS,
             enforce_eager=False,
-            extra_engine_kwargs=GPU_ENGINE,
+            extra_engine_kwargs=GPU_ENGINE_KWARGS,
         )
         configs[f"{name}-plain"] = RunConfig(**common)
         configs[f"{name}-ours"] = RunConfig(
             **common, assistant=str(drafter), num_speculative_tokens=3
         )
-    try:
-        results = generate_in_subprocess(list(configs.values()))
-    finally:
-        mp.undo()
+    results = generate_in_subprocess(
+        list(configs.values()), env={"VLLM_USE_V2_MODEL_RUNNER": runner}
+    )
     return dict(zip(configs, results, strict=True))
 
 
@@ -92,7 +91,7 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     plain, ours = v2_runs[f"{target}-plain"], v2_runs[f"{target}-ours"]
     assert ours.runner_class != V1_RUNNER
     assert ours.drafter_class is not None and "Gemma4Speculator" in ours.drafter_class
-    assert ours.draft_model_class == OUR_MODEL
+    assert ours.draft_model_class == PLUGIN_DRAFT_MODEL
     assert ours.token_ids == plain.token_ids
     metrics = ours.spec_metrics
     assert metrics["vllm:spec_decode_num_drafts"] > 0

@@ -20,7 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gemma4_spec.testing.engine_run import RunConfig, RunResult, generate_in_subprocess
+from gemma4_spec.testing.engine_run import (
+    GPU_ENGINE_KWARGS,
+    PLUGIN_DRAFT_MODEL,
+    RunConfig,
+    RunResult,
+    generate_in_subprocess,
+)
 from gemma4_spec.testing.families import FAMILIES, build_family_pair
 
 pytestmark = [
@@ -28,7 +34,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-GPU_ENGINE = {"attention_config": {"backend": "TRITON_ATTN"}, "kv_cache_memory_bytes": 1 << 30}
 PROMPT_LENGTHS = (5, 21, 33, 40)
 MAX_TOKENS = 32
 K = 3
@@ -55,7 +60,7 @@ def _config(target: Path, prompts: list[list[int]], assistant: Path | None) -> R
         num_speculative_tokens=K,
         max_tokens=MAX_TOKENS,
         enforce_eager=False,
-        extra_engine_kwargs=GPU_ENGINE,
+        extra_engine_kwargs=GPU_ENGINE_KWARGS,
     )
 
 
@@ -64,9 +69,9 @@ def _on_runner(
 ) -> list[RunResult]:
     """Engines on one model runner, in a process of their own (vLLM 0.26 keeps graph state a
     V1 engine leaves unfit for a later V2 one)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_USE_V2_MODEL_RUNNER", RUNNERS[runner])
-        return generate_in_subprocess(configs, plugins=plugins)
+    return generate_in_subprocess(
+        configs, plugins=plugins, env={"VLLM_USE_V2_MODEL_RUNNER": RUNNERS[runner]}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +93,7 @@ def test_greedy_output_equals_no_speculation(
     runs: dict[str, RunResult], family: str, runner: str
 ) -> None:
     plain, ours = runs[f"plain-{family}-{runner}"], runs[f"ours-{family}-{runner}"]
-    assert ours.draft_model_class == "gemma4_spec.models.gemma4_mtp.Gemma4AssistantForDrafting"
+    assert ours.draft_model_class == PLUGIN_DRAFT_MODEL
     assert ours.token_ids == plain.token_ids
     assert all(len(tokens) == MAX_TOKENS for tokens in ours.token_ids)
     metrics = ours.spec_metrics

@@ -30,6 +30,14 @@ from gemma4_spec.spec_decode.computed_tokens import CORRECTION_NAME, GraphedCorr
 # Values of RunResult.proposer_class: this plugin's proposer, and vLLM's own.
 PLUGIN_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
 IN_TREE_PROPOSER = "vllm.v1.spec_decode.gemma4.Gemma4Proposer"
+# RunResult.draft_model_class when the drafter runs this plugin's assistant model (either runner).
+PLUGIN_DRAFT_MODEL = "gemma4_spec.models.gemma4_mtp.Gemma4AssistantForDrafting"
+# Engine arguments of the GPU engine tests: TRITON_ATTN runs on every CUDA GPU vLLM supports
+# (vLLM's own pick on an H200 may need extra packages); a fixed KV budget skips memory profiling.
+GPU_ENGINE_KWARGS: dict[str, Any] = {
+    "attention_config": {"backend": "TRITON_ATTN"},
+    "kv_cache_memory_bytes": 1 << 30,
+}
 
 
 @dataclass(frozen=True)
