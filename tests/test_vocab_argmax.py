@@ -27,6 +27,7 @@ from gemma4_spec.ops.vocab_argmax_triton import (
     _STATE_CACHE,
     VocabArgmaxConfig,
     _state_for,
+    prepare_vocab_argmax,
     vocab_argmax,
     vocab_argmax_config,
 )
@@ -111,6 +112,18 @@ def test_cpu_falls_back_to_reference() -> None:
         vocab_argmax(hidden, lm_head, suppressed),
         vocab_argmax_reference(hidden, lm_head, suppressed),
     )
+
+
+def test_outgrown_counters_are_kept_for_captured_graphs() -> None:
+    # A graph captured before a larger batch grew the counters still reads and resets the old
+    # tensor at every replay: it must stay allocated (the centroid kernels keep theirs too).
+    state = prepare_vocab_argmax(100, torch.device("cpu"), capacity=2)
+    old = state.counters
+    state.ensure_capacity(2)
+    assert state.counters is old and state.retired == []
+    state.ensure_capacity(5)
+    assert state.counters.shape == (5,) and not state.counters.any()
+    assert len(state.retired) == 1 and state.retired[0] is old
 
 
 # ---------------------------------------------------------------------------- the kernel

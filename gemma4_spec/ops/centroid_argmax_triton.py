@@ -96,7 +96,7 @@ import ctypes
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -199,18 +199,30 @@ class FusedCentroidState:
     captured: bool = False
 
     def ensure_capacity(self, num_tokens: int) -> None:
-        if num_tokens <= self.counters.shape[1]:
-            return
-        if _capturing(self.counters.device):
-            raise RuntimeError(
-                f"centroid argmax: {num_tokens} tokens exceed the prepared capacity "
-                f"{self.counters.shape[1]}; run once with the largest batch before capture"
-            )
-        self.retired.append(self.counters)
-        self.counters = torch.zeros(
-            COUNTER_ROWS, max(num_tokens, 2 * self.counters.shape[1]), dtype=torch.int32,
-            device=self.counters.device,
-        )  # fmt: skip
+        self.counters = grown_counters(
+            self.counters, num_tokens, self.retired, "centroid argmax", "tokens"
+        )
+
+
+def grown_counters(
+    counters: torch.Tensor, needed: int, retired: list[torch.Tensor], kernel: str, unit: str
+) -> torch.Tensor:
+    """``counters`` (self-resetting kernel counters, per ``unit`` along the last dimension) with
+    room for ``needed``: the same tensor when it has, else a zeroed one twice as large (or
+    ``needed``) with ``counters`` appended to ``retired``, since a CUDA graph captured before
+    the growth still reads and resets it at every replay. Growing inside a capture would bake
+    in memory the next growth frees: that raises."""
+    capacity = counters.shape[-1]
+    if needed <= capacity:
+        return counters
+    if _capturing(counters.device):
+        raise RuntimeError(
+            f"{kernel}: {needed} {unit} exceed the prepared capacity {capacity}; "
+            "run once with the largest batch before capture"
+        )
+    retired.append(counters)
+    shape = (*counters.shape[:-1], max(needed, 2 * capacity))
+    return torch.zeros(shape, dtype=counters.dtype, device=counters.device)
 
 
 def prepare_fused_centroid_argmax(
@@ -235,10 +247,19 @@ def prepare_fused_centroid_argmax(
 # Keyed by the identity and version of the mask's tensors; the entry holds them alive, so an
 # id cannot be reused by another tensor while its entry exists.
 _STATE_CACHE: dict[tuple, tuple[tuple[torch.Tensor, ...], FusedCentroidState]] = {}
-# States a CUDA graph was captured over, kept past their cache entry: the graph reads their
-# draft ids and counters at every replay (vLLM's in-tree drafter crashed replaying a graph over
-# a tensor freed after its capture, with tensor parallelism: vllm#43909).
-_CAPTURED_STATES: list[FusedCentroidState] = []
+# Kernel states a CUDA graph was captured over (this module's and ``vocab_argmax_triton``'s),
+# kept past their cache entries: the graph reads their tensors at every replay (vLLM's in-tree
+# drafter crashed replaying a graph over a tensor freed after its capture, with tensor
+# parallelism: vllm#43909).
+_CAPTURED_STATES: list[object] = []
+
+
+def keep_if_captured(state: Any, device: torch.device) -> None:
+    """Marks ``state`` (a dataclass with a ``captured`` flag) as read by a CUDA graph and keeps
+    it alive for good, when this call is inside a capture on ``device``."""
+    if not state.captured and _capturing(device):
+        state.captured = True
+        _CAPTURED_STATES.append(state)
 
 
 def _state_for(mask: CentroidMask, vocab: int) -> FusedCentroidState:
@@ -260,9 +281,7 @@ def _state_for(mask: CentroidMask, vocab: int) -> FusedCentroidState:
             _STATE_CACHE.clear()  # captured states live on in _CAPTURED_STATES
         state = prepare_fused_centroid_argmax(mask, vocab)
         _STATE_CACHE[key] = (sources, state)
-    if not state.captured and _capturing(state.draft_ids.device):
-        state.captured = True
-        _CAPTURED_STATES.append(state)
+    keep_if_captured(state, state.draft_ids.device)
     return state
 
 

@@ -37,15 +37,18 @@ different streams (they would share counters).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import (
     HAS_TRITON,
+    _capturing,
     _device_sms,
     _dot_precision,
+    grown_counters,
+    keep_if_captured,
     triton_usable,
 )
 from gemma4_spec.ops.vocab_argmax import vocab_argmax_reference
@@ -98,19 +101,14 @@ class VocabArgmaxState:
 
     suppressed_mask: torch.Tensor | None  # [V] int8, 1 = never drafted; None: nothing is
     counters: torch.Tensor  # [capacity] int32 per token block, zero between calls
+    # Counters outgrown by a larger batch, kept for the graphs captured over them.
+    retired: list[torch.Tensor] = field(default_factory=list)
+    # Whether a CUDA graph was captured over this state (it then outlives the cache's entry).
+    captured: bool = False
 
     def ensure_capacity(self, token_blocks: int) -> None:
-        if token_blocks <= self.counters.shape[0]:
-            return
-        if self.counters.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"vocab argmax: {token_blocks} token blocks exceed the prepared capacity "
-                f"{self.counters.shape[0]}; run once with the largest batch before capture"
-            )
-        self.counters = torch.zeros(
-            max(token_blocks, 2 * self.counters.shape[0]),
-            dtype=torch.int32,
-            device=self.counters.device,
+        self.counters = grown_counters(
+            self.counters, token_blocks, self.retired, "vocab argmax", "token blocks"
         )
 
 
@@ -144,16 +142,18 @@ def _state_for(
     key = ((id(source), source._version) if source is not None else None, vocab, str(device))
     hit = _STATE_CACHE.get(key)
     if hit is not None:
-        return hit[1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "vocab argmax: first call for these suppressed tokens inside graph capture; "
-            "call it once eagerly first (it builds the suppressed mask and counters)"
-        )
-    if len(_STATE_CACHE) >= 8:
-        _STATE_CACHE.clear()
-    state = prepare_vocab_argmax(vocab, device, source)
-    _STATE_CACHE[key] = (source, state)
+        state = hit[1]
+    else:
+        if _capturing(device):
+            raise RuntimeError(
+                "vocab argmax: first call for these suppressed tokens inside graph capture; "
+                "call it once eagerly first (it builds the suppressed mask and counters)"
+            )
+        if len(_STATE_CACHE) >= 8:
+            _STATE_CACHE.clear()  # captured states live on in keep_if_captured's list
+        state = prepare_vocab_argmax(vocab, device, source)
+        _STATE_CACHE[key] = (source, state)
+    keep_if_captured(state, device)
     return state
 
 
