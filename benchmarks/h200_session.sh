@@ -146,19 +146,19 @@ profile-real)  # torch.profiler per engine variant (profile_decode.py), started 
     # PROFILE_K, PROFILE_BATCH
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
     variants=${PROFILE_VARIANTS:-plain in-tree ours-V2 ours-V2:full-logits ours-V1}
+    logs=()
     for spec in $variants; do
         v=${spec%%:*}; argmax=ours; [ "$v" != "$spec" ] && argmax=${spec#*:}
+        logs+=("$OUT/profile_${v}_$argmax.log")
         VLLM_CACHE_ROOT=/tmp/prof-cache-$v-$argmax timeout "${PROFILE_TIMEOUT:-520}" \
             python3 benchmarks/profile_decode.py --pair "${PROFILE_PAIR:-trained}" \
             --variant "$v" --draft-argmax "$argmax" --k "${PROFILE_K:-3}" \
             --batch "${PROFILE_BATCH:-1,16}" --lock /tmp/profile.lock --workdir /tmp/real \
-            > "$OUT/profile_${v}_$argmax.log" 2>&1 &
+            > "${logs[-1]}" 2>&1 &
     done
     wait
-    for spec in $variants; do
-        v=${spec%%:*}; argmax=ours; [ "$v" != "$spec" ] && argmax=${spec#*:}
-        sed -n '/^=====/p;/^per output token/,/CPU busy/p;/^GPU timeline/,/^$/p' \
-            "$OUT/profile_${v}_$argmax.log"
+    for log in "${logs[@]}"; do
+        sed -n '/^=====/p;/^per output token/,/CPU busy/p;/^GPU timeline/,/^$/p' "$log"
     done
     ;;
 *) echo "unknown step $step"; exit 2 ;;
