@@ -58,6 +58,7 @@ from transformers import (
 from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.ops.centroid_argmax import CentroidMask, masked_logits
 from gemma4_spec.report import gsm8k_questions
+from gemma4_spec.testing.tiny import load_hf_pair
 from gemma4_spec.training.assistant import draft_step
 from gemma4_spec.training.corpus import pad_batch, prompt_ids
 
@@ -696,12 +697,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target_dir, assistant_dir = tiny_gsm8k_pair()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = [prompt_ids(tokenizer, q) for q in gsm8k_questions(args.questions)]
-    target = Gemma4ForCausalLM.from_pretrained(
-        target_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    assistant = Gemma4AssistantForCausalLM.from_pretrained(
-        assistant_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    target, assistant = load_hf_pair(target_dir, assistant_dir)
 
     results: dict[str, Any] = {
         "config": {

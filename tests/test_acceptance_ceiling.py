@@ -109,18 +109,15 @@ def test_simulated_loop_at_temperature_zero_matches_the_per_position_figures() -
     # token, and at each cycle it accepts as many drafts as the per-position computation's
     # leading run of agreements at that anchor (teacher forcing is exact when every accepted
     # draft is the continuation's token). A wrong draft input or anchor in either breaks this.
-    from transformers import AutoTokenizer, Gemma4AssistantForCausalLM, Gemma4ForCausalLM
+    from transformers import AutoTokenizer
+
+    from gemma4_spec.testing.tiny import load_hf_pair
 
     k, new_tokens = 3, 24
     target_dir, assistant_dir = ac.tiny_gsm8k_pair()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = [ac.prompt_ids(tokenizer, q) for q in ac.gsm8k_questions(2)]
-    target = Gemma4ForCausalLM.from_pretrained(
-        target_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    assistant = Gemma4AssistantForCausalLM.from_pretrained(
-        assistant_dir, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    target, assistant = load_hf_pair(target_dir, assistant_dir)
     greedy = ac.Setting("T=0", 0.0)
     # k + 1 tokens more, so that every anchor the loop visits has all its k drafts evaluated.
     reference = ac.sample_continuations(target, prompts, greedy, new_tokens + k + 1, seed=0)

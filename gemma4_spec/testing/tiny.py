@@ -547,6 +547,20 @@ class HFDraftStep:
     target_hidden: torch.Tensor  # [1, 1, backbone]: target's final-normed hidden at position L-1
 
 
+def load_hf_pair(
+    target_path: str | Path, assistant_path: str | Path
+) -> tuple[Gemma4ForCausalLM, Gemma4AssistantForCausalLM]:
+    """A target and its assistant as transformers runs them, in float32 with eager attention
+    (the reference the engine tests and benchmarks compare against), in eval mode."""
+    target = Gemma4ForCausalLM.from_pretrained(
+        target_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(
+        assistant_path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    return target, assistant
+
+
 def hf_draft_step(
     target_path: str | Path, assistant_path: str | Path, prompt_ids: list[int]
 ) -> HFDraftStep:
@@ -564,12 +578,7 @@ def hf_draft_step(
     * position_ids = L (``input_ids.shape[1] - 1`` once t is appended), i.e. t's position, NOT the
       last prompt token's; attention_mask = ones over the L + 1 ids, as ``generate`` passes it.
     """
-    target = Gemma4ForCausalLM.from_pretrained(
-        target_path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    assistant = Gemma4AssistantForCausalLM.from_pretrained(
-        assistant_path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    target, assistant = load_hf_pair(target_path, assistant_path)
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     length = ids.shape[1]
     with torch.no_grad():
