@@ -41,7 +41,8 @@ def check_gemma4_mtp_request(spec_config: Any) -> None:
         raise AssistantMismatchError(_NEEDS_ASSISTANT)
     assistant_config = draft.hf_config
     validate_pair(target.hf_config, assistant_config)
-    validate_tensor_parallel(assistant_config, _tensor_parallel_size(spec_config))
+    parallel = getattr(spec_config, "target_parallel_config", None)
+    validate_tensor_parallel(assistant_config, _tensor_parallel_size(parallel))
     if getattr(assistant_config, "use_ordered_embeddings", False):
         checkpoint = _local_checkpoint_dir(draft.model, getattr(draft, "revision", None))
         ordering = read_token_ordering(checkpoint)
@@ -71,10 +72,10 @@ def _check_parallelism(spec_config: Any) -> None:
         )
 
 
-def _tensor_parallel_size(spec_config: Any) -> int:
-    """The target's tensor-parallel size, which the draft runs with (vLLM gives the draft the
-    target's ranks)."""
-    return getattr(getattr(spec_config, "target_parallel_config", None), "tensor_parallel_size", 1)
+def _tensor_parallel_size(target_parallel_config: Any) -> int:
+    """The target's tensor-parallel size (of its ``ParallelConfig``, None: one rank), which the
+    draft runs with (vLLM gives the draft the target's ranks)."""
+    return getattr(target_parallel_config, "tensor_parallel_size", 1)
 
 
 def explain_failed_gemma4_mtp_request(spec: Mapping[str, Any] | None, error: Exception) -> None:
@@ -101,7 +102,7 @@ def explain_failed_gemma4_mtp_request(spec: Mapping[str, Any] | None, error: Exc
         assistant_config = AutoConfig.from_pretrained(str(model), revision=spec.get("revision"))
         validate_pair(target.hf_config, assistant_config)
         # vLLM's own head-count check of the draft names neither the model nor a fix.
-        tp_size = getattr(spec.get("target_parallel_config"), "tensor_parallel_size", 1)
+        tp_size = _tensor_parallel_size(spec.get("target_parallel_config"))
         validate_tensor_parallel(assistant_config, tp_size)
     except (AssistantMismatchError, UnsupportedConfigurationError) as ours:
         raise ours from error
