@@ -1,8 +1,11 @@
 """Where the first pass at a new batch size spends its time: one engine of ``real_work.py``'s
-configurations, warmed at batch 1, then the first and the second pass at each larger batch size
-under cProfile (the host's view: compiles, captures, synchronisations show as Python calls).
+configurations, in this process, warmed at batch 1 (unless ``--cold``: then the first batch
+size's first pass is the engine's very first request), then the first and the second pass at
+each batch size under cProfile (the host's view: compiles, captures, synchronisations show as
+Python calls).
 
     python benchmarks/first_pass_profile.py --variant ours-V1 --batch 8,16
+    python benchmarks/first_pass_profile.py --variant ours-V2 --pair e2b --batch 1,8 --cold
 """
 
 from __future__ import annotations
@@ -21,16 +24,18 @@ import real_work  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pair", choices=("e2b", "trained"), default="trained")
+    parser.add_argument("--pair", choices=real_work.PAIRS, default="trained")
     parser.add_argument("--variant", default="ours-V1", choices=list(real_work.VARIANTS))
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--batch", default="8,16")
     parser.add_argument("--workdir", default="/tmp/real")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--cold", action="store_true", help="no warm-up request at batch 1")
     args = parser.parse_args()
     import os
 
     os.environ.update(real_work.VARIANTS[args.variant]["env"])
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
     from vllm import LLM, SamplingParams
 
     target, assistant = real_work._pair(args.pair, Path(args.workdir))
@@ -39,9 +44,11 @@ def main() -> int:
     batches = [int(b) for b in args.batch.split(",")]
     prompts = real_work._prompts(args.pair, target, max(batches))
     params = SamplingParams(
-        max_tokens=real_work.NEW_TOKENS, temperature=0.0, ignore_eos=args.pair == "e2b"
+        max_tokens=real_work.NEW_TOKENS,
+        temperature=0.0,
+        ignore_eos=args.pair in real_work.RANDOM_PAIRS,
     )
-    for _ in range(2):
+    for _ in range(0 if args.cold else 2):
         llm.generate(prompts[:1], params, use_tqdm=False)
     for b in batches:
         for which in ("first", "second"):

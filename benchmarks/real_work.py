@@ -13,6 +13,10 @@ Pairs and acceptance profiles:
   acceptance comes from vLLM's synthetic rejection sampling (``rejection_sample_method:
   "synthetic"``, unconditional per-position rates): ``field`` [0.85, 0.70, 0.55], ``poor``
   [0.5, 0.25, 0.1]; ``zero`` is standard verification (nothing accepted: every step alike).
+* ``e4b``, ``26b-a4b``, ``31b``: the published shapes of those pairs with random bf16 weights
+  (``gemma4_spec.testing.families.build_real_shape_pair``), run like ``e2b``. Each engine holds
+  the whole target (E4B ~16 GB, 26B-A4B ~52 GB, 31B ~62 GB): pick how many engines fit one GPU
+  with ``--variants`` / ``--only``.
 * ``trained``: the shipped GSM8k-trained tiny pair (``gemma4_spec.assets``), bf16, GSM8k test
   questions in its chat template, up to 128 new tokens: real acceptance, requests that finish
   at different steps, so the batch shrinks as it would in serving (profile ``real``).
@@ -80,10 +84,8 @@ def configurations(
             if draft_method != "greedy":
                 spec["draft_sample_method"] = draft_method
             if profile in PROFILES:
-                spec = {
-                    "rejection_sample_method": "synthetic",
-                    "synthetic_acceptance_rates": PROFILES[profile][:k],
-                }
+                spec["rejection_sample_method"] = "synthetic"
+                spec["synthetic_acceptance_rates"] = PROFILES[profile][:k]
             for variant in variants:
                 configs[f"{variant} k={k} {profile}"] = {
                     "env": VARIANTS[variant]["env"],
@@ -93,11 +95,20 @@ def configurations(
     return configs
 
 
+# Pairs of random weights: synthetic acceptance, random prompts, no tokenizer, no end token.
+RANDOM_PAIRS = ("e2b", "e4b", "26b-a4b", "31b")
+PAIRS = (*RANDOM_PAIRS, "trained")
+
+
 def _pair(pair: str, workdir: Path) -> tuple[Path, Path]:
     if pair == "e2b":
         from gemma4_spec.testing.e2b_shaped import build_e2b_shaped_pair
 
         return build_e2b_shaped_pair(workdir / "e2b")
+    if pair in RANDOM_PAIRS:
+        from gemma4_spec.testing.families import build_real_shape_pair
+
+        return build_real_shape_pair(pair, workdir / pair)
     from gemma4_spec.assets import tiny_gsm8k_pair
 
     return tiny_gsm8k_pair()
@@ -119,7 +130,7 @@ def engine_kwargs(
         for key, value in dict(ENGINE, model=str(target), **(overrides or {})).items()
         if value is not None
     }
-    kwargs["skip_tokenizer_init"] = pair == "e2b"
+    kwargs["skip_tokenizer_init"] = pair in RANDOM_PAIRS
     if k:
         kwargs["speculative_config"] = {
             "method": "gemma4_mtp",
@@ -131,7 +142,7 @@ def engine_kwargs(
 
 
 def _prompts(pair: str, target: Path, count: int) -> list[dict[str, Any]]:
-    if pair == "e2b":
+    if pair in RANDOM_PAIRS:
         rng = random.Random(0)
         return [
             {"prompt_token_ids": [rng.randrange(10, 262_000) for _ in range(PROMPT_LEN)]}
@@ -163,7 +174,7 @@ def _worker(args: argparse.Namespace) -> None:
     batches = [int(b) for b in args.batch.split(",")]
     prompts = _prompts(args.pair, target, max(batches))
     params = SamplingParams(
-        max_tokens=NEW_TOKENS, temperature=args.temperature, ignore_eos=args.pair == "e2b"
+        max_tokens=NEW_TOKENS, temperature=args.temperature, ignore_eos=args.pair in RANDOM_PAIRS
     )
     control = Path(args.control)
     worker_ready(control, args.index)
@@ -197,7 +208,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pair", choices=("e2b", "trained"), default="e2b")
+    parser.add_argument("--pair", choices=PAIRS, default="e2b")
     parser.add_argument("--profiles", default=None, help=f"of {sorted(PROFILES)} + zero")
     parser.add_argument("--k", default="2,3")
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -233,8 +244,9 @@ def main() -> int:
         return 0
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: a first pass and a steady one")
-    profiles = (args.profiles or ("field,poor,zero" if args.pair == "e2b" else REAL)).split(",")
-    known = set(PROFILES) | ({ZERO} if args.pair == "e2b" else {REAL})
+    random_pair = args.pair in RANDOM_PAIRS
+    profiles = (args.profiles or ("field,poor,zero" if random_pair else REAL)).split(",")
+    known = set(PROFILES) | ({ZERO} if random_pair else {REAL})
     if not set(profiles) <= known:
         parser.error(f"profiles for the {args.pair} pair: {sorted(known)}")
     configs = configurations(

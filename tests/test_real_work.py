@@ -34,6 +34,26 @@ def test_probabilistic_drafts_only_on_speculative_engines() -> None:
         assert configs[name]["spec"] == {"draft_sample_method": "probabilistic"}
 
 
+def test_probabilistic_drafts_keep_the_synthetic_profile() -> None:
+    configs = real_work.configurations([2], ["field"], ["ours-V2"], "probabilistic")
+    assert configs["ours-V2 k=2 field"]["spec"] == {
+        "draft_sample_method": "probabilistic",
+        "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rates": [0.85, 0.70],
+    }
+
+
+def test_real_shape_pairs_run_like_the_e2b_pair() -> None:
+    # Random weights: no tokenizer to load, and every request runs its full length.
+    for pair in ("e2b", "e4b", "26b-a4b", "31b"):
+        kwargs = real_work.engine_kwargs(pair, Path("t"), Path("a"), 2)
+        assert kwargs["skip_tokenizer_init"] is True
+        assert len(real_work._prompts(pair, Path("t"), 3)) == 3
+    assert (
+        real_work.engine_kwargs("trained", Path("t"), Path("a"), 0)["skip_tokenizer_init"] is False
+    )
+
+
 def _runs(tokens_per_s: list[float], length: float | None) -> list[dict]:
     return [
         {"tokens_per_s": t, "mean_accepted_length": length, "token_ids": [[1, 2], [3]]}
