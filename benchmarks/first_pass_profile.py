@@ -31,6 +31,12 @@ def main() -> int:
     parser.add_argument("--workdir", default="/tmp/real")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--cold", action="store_true", help="no warm-up request at batch 1")
+    parser.add_argument(
+        "--callees",
+        default=None,
+        help="also list, for both passes, what functions matching this regex call "
+        "(e.g. 'patch_triton_attn.py.*build')",
+    )
     args = parser.parse_args()
     import os
 
@@ -58,6 +64,12 @@ def main() -> int:
             llm.generate(prompts[:b], params, use_tqdm=False)
             profile.disable()
             print(f"\n=== B={b} {which} pass: {time.perf_counter() - start:.3f} s")
+            if args.callees:
+                out = io.StringIO()
+                pstats.Stats(profile, stream=out).sort_stats("cumulative").print_callees(
+                    args.callees
+                )
+                print(out.getvalue()[-6000:])
             if which == "first":
                 out = io.StringIO()
                 stats = pstats.Stats(profile, stream=out).sort_stats("cumulative")

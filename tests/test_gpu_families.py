@@ -28,6 +28,7 @@ from gemma4_spec.testing.engine_run import (
     generate_in_subprocess,
 )
 from gemma4_spec.testing.families import FAMILIES, build_family_pair
+from gemma4_spec.testing.kv_norms import add_missing_k_norms
 
 pytestmark = [
     pytest.mark.engine,
@@ -43,7 +44,10 @@ RUNNERS = {"V1": "0", "V2": "1"}
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
     root = tmp_path_factory.mktemp("gpu-families")
-    return {family: build_family_pair(family, root / family) for family in FAMILIES}
+    pairs = {family: build_family_pair(family, root / family) for family in FAMILIES}
+    for target, _ in pairs.values():
+        add_missing_k_norms(target)  # vLLM 0.26 wants one on the KV-shared layers too
+    return pairs
 
 
 @pytest.fixture(scope="module")
