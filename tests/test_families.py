@@ -142,3 +142,18 @@ def test_unknown_family_is_refused(tmp_path: Path) -> None:
         build_family_pair("e2b", tmp_path)
     with pytest.raises(ValueError, match="unknown Gemma 4 family"):
         real_shape_configs("26b")
+
+
+def test_config_only_target_for_engine_drawn_weights(tmp_path: Path) -> None:
+    # The 26B-A4B and 31B benchmark targets: config.json only (vLLM's load_format="dummy" draws
+    # the weights), the assistant a real checkpoint (the plugin reads it before loading).
+    from gemma4_spec.testing.e2b_shaped import assistant_config, build_random_pair, target_config
+
+    target, assistant = build_random_pair(
+        tmp_path, target_config(), assistant_config(), device="cpu", target_weights=False
+    )
+    assert not list(target.glob("*.safetensors"))
+    config = AutoConfig.from_pretrained(target)
+    assert config.architectures == ["Gemma4ForCausalLM"]
+    assert config.num_hidden_layers == target_config().num_hidden_layers
+    assert list(assistant.glob("*.safetensors"))

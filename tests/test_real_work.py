@@ -52,6 +52,31 @@ def test_real_shape_pairs_run_like_the_e2b_pair() -> None:
     assert (
         real_work.engine_kwargs("trained", Path("t"), Path("a"), 0)["skip_tokenizer_init"] is False
     )
+    # The checkpoints that would not fit the GPU machine's disk: the engine draws the weights.
+    assert real_work.engine_kwargs("31b", Path("t"), Path("a"), 2)["load_format"] == "dummy"
+    assert "load_format" not in real_work.engine_kwargs("e4b", Path("t"), Path("a"), 2)
+
+
+def test_tables_without_plain(tmp_path: Path) -> None:
+    # --only "in-tree,ours-V2": two 52-62 GB engines fit one GPU, a third does not.
+    saved = {
+        "pair": "31b",
+        "new_tokens": 128,
+        "results": {
+            "in-tree k=2 field": {"startup_s": 40, "runs": {"1": _runs([190, 200, 220], 2.3)}},
+            "ours-V2 k=2 field": {"startup_s": 50, "runs": {"1": _runs([115, 230, 250], 2.3)}},
+        },
+    }
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(saved))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "real_work.py"), "--table", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    ours = next(line for line in out.splitlines() if line.startswith("ours-V2 k=2 field"))
+    assert ours.split()[4:7] == ["240", "-", "1.14x"]  # no plain; median 240 over in-tree's 210
 
 
 def _runs(tokens_per_s: list[float], length: float | None) -> list[dict]:

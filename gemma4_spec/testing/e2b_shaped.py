@@ -9,6 +9,7 @@ Needs a GPU to build in reasonable time (weights are drawn on ``device``).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -108,20 +109,36 @@ def _build(cls: type, config: object, path: Path, device: str, seed: int) -> Pat
     return path
 
 
+def _write_config_only(config: Gemma4TextConfig, path: Path) -> Path:
+    """The target's config.json alone: vLLM draws its weights (``load_format="dummy"``)."""
+    config = copy.deepcopy(config)
+    config.architectures = ["Gemma4ForCausalLM"]
+    config.dtype = torch.bfloat16
+    config.save_pretrained(path)
+    write_portable_config(path)
+    return path
+
+
 def build_random_pair(
     root: str | Path,
     target: Gemma4TextConfig,
     assistant: Gemma4AssistantConfig,
     device: str = "cuda",
     seed: int = 0,
+    target_weights: bool = True,
 ) -> tuple[Path, Path]:
     """Write (or reuse) random bf16 ``root/target`` and ``root/assistant`` of these configs,
-    weights drawn on ``device``; returns their paths."""
+    weights drawn on ``device``; returns their paths. ``target_weights=False`` writes the
+    target's config only, for engines that draw its weights themselves (vLLM's
+    ``load_format="dummy"``): targets whose checkpoint would not fit the disk."""
     root = Path(root)
     target_dir, assistant_dir = root / "target", root / "assistant"
     if not (target_dir / "config.json").exists():
-        _build(Gemma4ForCausalLM, target, target_dir, device, seed)
-        add_missing_k_norms(target_dir)
+        if not target_weights:
+            _write_config_only(target, target_dir)
+        else:
+            _build(Gemma4ForCausalLM, target, target_dir, device, seed)
+            add_missing_k_norms(target_dir)
     if not (assistant_dir / "config.json").exists():
         _build(Gemma4AssistantForCausalLM, assistant, assistant_dir, device, seed + 1)
     return target_dir, assistant_dir

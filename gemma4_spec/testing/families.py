@@ -235,9 +235,14 @@ def real_shape_configs(family: str) -> tuple[Gemma4TextConfig, Gemma4AssistantCo
 
 
 def build_real_shape_pair(
-    family: str, root: str | Path, device: str = "cuda", seed: int = 0
+    family: str,
+    root: str | Path,
+    device: str = "cuda",
+    seed: int = 0,
+    target_weights: bool = True,
 ) -> tuple[Path, Path]:
     """Write (or reuse) random bf16 ``root/target`` and ``root/assistant`` of ``family``'s
-    published shapes, drawn on ``device`` (a GPU: the targets have 8 to 31 B parameters)."""
+    published shapes, drawn on ``device`` (a GPU: the targets have 8 to 31 B parameters);
+    ``target_weights=False``: the target's config only (``build_random_pair``)."""
     target, assistant = real_shape_configs(family)
-    return build_random_pair(root, target, assistant, device, seed)
+    return build_random_pair(root, target, assistant, device, seed, target_weights)
