@@ -22,6 +22,38 @@ sys.path.insert(0, str(Path(__file__).parent))
 import real_work  # noqa: E402
 
 
+class TritonCompiles:
+    """Every Triton JIT compilation in this process (Triton's ``jit_cache_hook``, called before
+    a kernel is compiled for a specialisation not yet in memory), by phase: which kernel a pass
+    compiles, and the specialisations the start-up compiled for the same kernel, to compare."""
+
+    def __init__(self) -> None:
+        self.phase = "start-up"
+        self.seen: list[tuple[str, str]] = []  # (phase, "name[options](arguments)")
+
+    def install(self) -> bool:
+        try:
+            from triton import knobs
+        except ImportError:
+            return False
+        knobs.runtime.jit_cache_hook = self._hook
+        return True
+
+    def _hook(self, **kwargs: object) -> bool:
+        self.seen.append((self.phase, str(kwargs.get("repr", kwargs.get("key")))))
+        return False  # compile as usual
+
+    def report(self, phase: str) -> None:
+        compiled = [text for when, text in self.seen if when == phase]
+        print(f"Triton compilations in {phase}: {len(compiled)}")
+        for text in compiled:
+            name = text.split("[", 1)[0]
+            print(f"  {text}")
+            for when, earlier in self.seen:
+                if when == "start-up" and earlier.split("[", 1)[0] == name:
+                    print(f"    at start-up: {earlier}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=real_work.PAIRS, default="trained")
@@ -37,8 +69,17 @@ def main() -> int:
         help="also list, for both passes, what functions matching this regex call "
         "(e.g. 'patch_triton_attn.py.*build')",
     )
+    parser.add_argument(
+        "--triton-compiles",
+        action="store_true",
+        help="list every Triton compilation of each pass beside the start-up's of that kernel",
+    )
     args = parser.parse_args()
     import os
+
+    compiles = TritonCompiles()
+    if args.triton_compiles and not compiles.install():
+        parser.error("--triton-compiles needs Triton")
 
     os.environ.update(real_work.VARIANTS[args.variant]["env"])
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
@@ -54,16 +95,20 @@ def main() -> int:
         temperature=0.0,
         ignore_eos=args.pair in real_work.RANDOM_PAIRS,
     )
+    compiles.phase = "warm-up requests"
     for _ in range(0 if args.cold else 2):
         llm.generate(prompts[:1], params, use_tqdm=False)
     for b in batches:
         for which in ("first", "second"):
             profile = cProfile.Profile()
+            compiles.phase = f"B={b} {which} pass"
             start = time.perf_counter()
             profile.enable()
             llm.generate(prompts[:b], params, use_tqdm=False)
             profile.disable()
             print(f"\n=== B={b} {which} pass: {time.perf_counter() - start:.3f} s")
+            if args.triton_compiles:
+                compiles.report(compiles.phase)
             if args.callees:
                 out = io.StringIO()
                 pstats.Stats(profile, stream=out).sort_stats("cumulative").print_callees(

@@ -115,3 +115,20 @@ def test_tables_of_a_saved_run(tmp_path: Path) -> None:
     paired = out.split("steady rounds paired")[1].splitlines()
     (line,) = [row for row in paired if row.startswith("ours-V1 k=3 real")]
     assert "1.14x (1.14 - 1.15)" in line
+
+
+def test_first_pass_profile_lists_a_pass_compiles_beside_the_start_ups(capsys) -> None:
+    import first_pass_profile
+
+    compiles = first_pass_profile.TritonCompiles()
+    compiles._hook(repr="kernel_a[num_warps=4](n: i32D)")
+    compiles._hook(repr="kernel_b[num_warps=4](n: i32)")
+    compiles.phase = "B=1 first pass"
+    assert compiles._hook(repr="kernel_a[num_warps=4](n: constexpr[1])") is False  # compiles
+    compiles.report("B=1 first pass")
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "Triton compilations in B=1 first pass: 1",
+        "  kernel_a[num_warps=4](n: constexpr[1])",
+        "    at start-up: kernel_a[num_warps=4](n: i32D)",
+    ]
