@@ -67,16 +67,21 @@ def test_tables_without_plain(tmp_path: Path) -> None:
             "ours-V2 k=2 field": {"startup_s": 50, "runs": {"1": _runs([115, 230, 250], 2.3)}},
         },
     }
+    out = _tables(saved, tmp_path)
+    ours = next(line for line in out.splitlines() if line.startswith("ours-V2 k=2 field"))
+    assert ours.split()[4:7] == ["240", "-", "1.14x"]  # no plain; median 240 over in-tree's 210
+
+
+def _tables(saved: dict, tmp_path: Path) -> str:
+    """What ``real_work.py --table`` prints for ``saved``."""
     path = tmp_path / "run.json"
     path.write_text(json.dumps(saved))
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "real_work.py"), "--table", str(path)],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    ours = next(line for line in out.splitlines() if line.startswith("ours-V2 k=2 field"))
-    assert ours.split()[4:7] == ["240", "-", "1.14x"]  # no plain; median 240 over in-tree's 210
 
 
 def _runs(tokens_per_s: list[float], length: float | None) -> list[dict]:
@@ -96,14 +101,7 @@ def test_tables_of_a_saved_run(tmp_path: Path) -> None:
             "ours-V1 k=3 real": {"startup_s": 50, "runs": {"1": _runs([115, 230, 250], 3.3)}},
         },
     }
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps(saved))
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "real_work.py"), "--table", str(path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = _tables(saved, tmp_path)
     ours = next(line for line in out.splitlines() if line.startswith("ours-V1 k=3 real"))
     # Steady state = the median of the rounds after the first: 240 tokens/s, 2.40x plain's 100,
     # 1.14x in-tree's 210; the first pass ran at 115 / 240 of it.
