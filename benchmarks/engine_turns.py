@@ -19,13 +19,15 @@ from typing import Any
 
 def engine_env(overrides: dict[str, str], cache_root: Path) -> dict[str, str]:
     """The environment of one engine: ours plus ``overrides``; ``VLLM_PLUGINS`` only where the
-    engine sets it (every installed plugin loads otherwise); its own compile cache (no races);
-    the engine core in the worker process (a multiprocess start of ours hung once on the H200
-    before loading weights)."""
+    engine sets it (every installed plugin loads otherwise); its own compile caches, vLLM's and
+    Triton's (no races, and each engine's first pass pays for its own kernel compilations, not
+    for those of an engine that ran before it); the engine core in the worker process (a
+    multiprocess start of ours hung once on the H200 before loading weights)."""
     env = dict(os.environ, **overrides)
     if "VLLM_PLUGINS" not in overrides:
         env.pop("VLLM_PLUGINS", None)
     env["VLLM_CACHE_ROOT"] = str(cache_root)
+    env["TRITON_CACHE_DIR"] = str(cache_root / "triton")
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 

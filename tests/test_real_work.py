@@ -130,3 +130,15 @@ def test_first_pass_profile_lists_a_pass_compiles_beside_the_start_ups(capsys) -
         "  kernel_a[num_warps=4](n: constexpr[1])",
         "    at start-up: kernel_a[num_warps=4](n: i32D)",
     ]
+
+
+def test_each_engine_has_its_own_compile_caches(tmp_path: Path) -> None:
+    # A kernel one engine compiled must not make another engine's first pass look fast.
+    from engine_turns import engine_env
+
+    a, b = (engine_env({}, tmp_path / name) for name in ("a", "b"))
+    assert a["TRITON_CACHE_DIR"] != b["TRITON_CACHE_DIR"]
+    assert a["VLLM_CACHE_ROOT"] != b["VLLM_CACHE_ROOT"]
+    assert (
+        "VLLM_PLUGINS" not in a and engine_env({"VLLM_PLUGINS": "none"}, tmp_path)["VLLM_PLUGINS"]
+    )
