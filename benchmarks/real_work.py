@@ -383,8 +383,8 @@ def print_tables(saved: dict[str, Any]) -> None:
                 f"{statistics.median(ratios):4.2f}x ({min(ratios):4.2f} - {max(ratios):4.2f})"
             )
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
-    has_tokens = plain is not None and "token_ids" in plain[batches[0]][0]  # saved copies may
-    # leave them out
+    # Saved copies may leave the token ids out.
+    has_tokens = plain is not None and "token_ids" in plain[batches[0]][0]
     if saved["pair"] == "trained" and not temperature and has_tokens:  # bf16 near-ties differ
         print("\ngreedy tokens equal to plain's (requests equal / all, over every round)")
         for name, result in results.items():
