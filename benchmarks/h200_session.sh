@@ -28,6 +28,8 @@
 #         e2b), B = 1 and 16, k = 3, engines started side by side and measured in turn
 #   real: the real-work benchmark (benchmarks/real_work.py; REAL_PAIR=e2b|trained,
 #         REAL_ARGS=<more arguments>), after 'install' or 'engine' in an earlier call
+#   tp2: on the two-GPU kind, after 'install': tests/test_gpu_tp.py, then real_work.py at TP=2
+#         (TP2_TEST_ONLY=1: the test alone)
 # With 30 MiB parts: 'part' calls carry one part each (copied to /tmp/stage); the call that
 # installs carries the last part, and 'install' / 'vllm' / 'engine' read every part from
 # /tmp/stage or .devexp/parts, in order. 'engine': install, then the GPU engine test, its V1 and
@@ -35,7 +37,7 @@
 # ('install' is step 2 without its tests, to chain another step in the same call.)
 # Only committed code should be on the tree that travels: a half-written kernel breaks step 2.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|e2e|real|profile|profile-real}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|e2e|real|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # Optional: committed copies of files to run instead of the tree's (e.g. while the kernels are
@@ -160,6 +162,20 @@ profile-real)  # torch.profiler per engine variant (profile_decode.py), started 
     for log in "${logs[@]}"; do
         sed -n '/^=====/p;/^per output token/,/CPU busy/p;/^GPU timeline/,/^$/p' "$log"
     done
+    ;;
+tp2)  # two GPUs (nvidia-h200-x2), after 'install': the TP=2 engine test and the speed rows
+    # at TP=2 (synthetic [0.85, 0.70, 0.55] and zero acceptance, k=2, B = 1 / 8 / 32).
+    # NVLink multicast stays off (the machine's rule), here and in every engine process.
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site NCCL_NVLS_ENABLE=0 \
+        TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_ALLREDUCE_USE_SYMM_MEM=0
+    timeout 560 python3 -m pytest -q -rs tests/test_gpu_tp.py > "$OUT/test_gpu_tp.log" 2>&1
+    echo "TP=2 engine test rc=$?"; tail -4 "$OUT/test_gpu_tp.log"
+    [ -n "${TP2_TEST_ONLY:-}" ] && exit 0
+    timeout "${REAL_TIMEOUT:-570}" python3 benchmarks/real_work.py --pair e2b --workdir /tmp/real \
+        --tensor-parallel 2 --k 2 --profiles field,zero --batch 1,8,32 --rounds 4 \
+        --variants in-tree,ours-V2 --json "$OUT/real_work_e2b_tp2.json" \
+        > "$OUT/real_work_e2b_tp2.log" 2>&1
+    echo "real_work TP=2 rc=$?"; grep -v "Capturing\|it/s" "$OUT/real_work_e2b_tp2.log" | tail -25
     ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

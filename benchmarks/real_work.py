@@ -238,6 +238,9 @@ def main() -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="of every request")
     parser.add_argument("--draft-method", choices=("greedy", "probabilistic"), default="greedy")
     parser.add_argument(
+        "--tensor-parallel", type=int, default=1, help="tensor_parallel_size of every engine"
+    )
+    parser.add_argument(
         "--engine",
         default="{}",
         help="JSON of LLM(...) arguments over the defaults (null drops one)",
@@ -261,6 +264,10 @@ def main() -> int:
         return 0
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: a first pass and a steady one")
+    if args.tensor_parallel > 1:  # into every engine's LLM(...) arguments
+        args.engine = json.dumps(
+            {**json.loads(args.engine), "tensor_parallel_size": args.tensor_parallel}
+        )
     random_pair = args.pair in RANDOM_PAIRS
     profiles = (args.profiles or ("field,poor,zero" if random_pair else REAL)).split(",")
     known = set(PROFILES) | ({ZERO} if random_pair else {REAL})
@@ -314,6 +321,7 @@ def main() -> int:
         "new_tokens": NEW_TOKENS,
         "temperature": args.temperature,
         "draft_method": args.draft_method,
+        "tensor_parallel_size": args.tensor_parallel,
         "results": results,
     }
     if args.json:
@@ -341,9 +349,10 @@ def print_tables(saved: dict[str, Any]) -> None:
     temperature = saved.get("temperature", 0.0)
     sampling = "greedy" if not temperature else f"temperature {temperature}"
     drafts = saved.get("draft_method", "greedy")
+    tp = saved.get("tensor_parallel_size", 1)
     print(
         f"\n{saved['pair']} pair, {sampling}, {drafts} drafts, "
-        f"up to {saved['new_tokens']} new tokens a request"
+        f"up to {saved['new_tokens']} new tokens a request" + (f", TP={tp}" if tp > 1 else "")
     )
     print("steady tokens/s (x plain, x in-tree) | first pass x own steady | mean accepted length")
     print(f"{'configuration':24}{'start s':>8}" + "".join(f"{'B=' + b:>34}" for b in batches))

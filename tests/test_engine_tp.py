@@ -29,9 +29,8 @@ from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.data import gsm8k
 from gemma4_spec.testing.engine_run import (
     PLUGIN_PROPOSER,
-    RunConfig,
     RunResult,
-    generate_in_subprocess,
+    run_tensor_parallel_three_ways,
 )
 from gemma4_spec.testing.families import build_family_pair
 from gemma4_spec.training.corpus import prompt_ids
@@ -54,15 +53,10 @@ RANDOM_PROMPT_LENGTHS = (5, 21, 40)  # two of them past a tiny pair's sliding wi
 
 
 def run_three_ways(common: dict[str, Any], assistant: str) -> dict[str, RunResult]:
-    """Plain and ours at TP=2, then ours at TP=1, in one process (the TP=1 engine runs its
-    worker in that process, after the TP=2 engines' worker processes have gone)."""
-    names = ["plain-tp2", "ours-tp2", "ours-tp1"]
-    configs = [
-        RunConfig(**common, tensor_parallel_size=TP),
-        RunConfig(**common, assistant=assistant, num_speculative_tokens=K, tensor_parallel_size=TP),
-        RunConfig(**common, assistant=assistant, num_speculative_tokens=K),
-    ]
-    return dict(zip(names, generate_in_subprocess(configs, env=TP_ENV), strict=True))
+    """Plain and ours at TP=2, then ours at TP=1."""
+    return run_tensor_parallel_three_ways(
+        common, assistant, tensor_parallel_size=TP, num_speculative_tokens=K, env=TP_ENV
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +88,7 @@ def check_tp2_lossless_and_as_tp1(runs: dict[str, RunResult], heads: list[int]) 
     """Ours at TP=2 == plain at TP=2 == ours at TP=1, tokens and counters; both ranks drafted
     with half of the query heads ``heads`` (per assistant layer, unsplit) and took the same
     paths the same number of times."""
-    plain, ours, single = runs["plain-tp2"], runs["ours-tp2"], runs["ours-tp1"]
+    plain, ours, single = runs["plain-tp"], runs["ours-tp"], runs["ours-tp1"]
     # The ranks run in their own processes: their drafter says whose proposer ran.
     assert ours.drafter_class == single.drafter_class == PLUGIN_PROPOSER
     assert all(len(t) == MAX_TOKENS for t in ours.token_ids)

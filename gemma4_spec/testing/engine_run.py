@@ -295,6 +295,28 @@ def generate_in_subprocess(
     return [RunResult(**d) for d in data]
 
 
+def run_tensor_parallel_three_ways(
+    common: Mapping[str, Any],
+    assistant: str,
+    *,
+    tensor_parallel_size: int,
+    num_speculative_tokens: int,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, RunResult]:
+    """Plain and ours at ``tensor_parallel_size`` ranks, then ours on one rank, in one process
+    (the one-rank engine runs its worker in that process, after the others' worker processes
+    have gone): ``plain-tp``, ``ours-tp`` and ``ours-tp1``. ``common``: the RunConfig fields the
+    three share."""
+    tp, k = tensor_parallel_size, num_speculative_tokens
+    configs = [
+        RunConfig(**common, tensor_parallel_size=tp),
+        RunConfig(**common, assistant=assistant, num_speculative_tokens=k, tensor_parallel_size=tp),
+        RunConfig(**common, assistant=assistant, num_speculative_tokens=k),
+    ]
+    names = ["plain-tp", "ours-tp", "ours-tp1"]
+    return dict(zip(names, generate_in_subprocess(configs, env=env), strict=True))
+
+
 def _main(request: str, response: str) -> None:
     configs = [RunConfig(**c) for c in json.loads(Path(request).read_text())]
     results = [generate(c, single_process=True) for c in configs]
