@@ -69,6 +69,12 @@ kernels)
     ;;
 vllm|install|engine)  # install alone: vLLM without the tests (then e2e in the same call)
     mkdir -p /tmp/site /tmp/tf
+    # Every part must be here, in /tmp/stage (a 'part' call on this machine) or carried now: a
+    # machine that went cold between calls has lost the parts staged on it.
+    for n in 00 01 02; do
+        [ -f "/tmp/stage/vllm-trim.tar.xz.part$n" ] || [ -f ".devexp/parts/vllm-trim.tar.xz.part$n" ] \
+            || { echo "part$n is missing (the machine went cold?): carry it again"; exit 3; }
+    done
     for n in 00 01 02 03 04 05 06 07 08 09; do
         for d in /tmp/stage .devexp/parts; do
             [ -f "$d/vllm-trim.tar.xz.part$n" ] && { cat "$d/vllm-trim.tar.xz.part$n"; break; }
