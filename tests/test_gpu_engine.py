@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from gemma4_spec.testing.engine_run import (
-    GPU_ENGINE_KWARGS,
     PLUGIN_DRAFT_MODEL,
     PLUGIN_PROPOSER,
     RunConfig,
     generate_in_subprocess,
+    gpu_run_fields,
 )
 from gemma4_spec.testing.kv_norms import add_missing_k_norms
 from gemma4_spec.testing.tiny import (
@@ -57,13 +57,7 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
     prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
     configs = {}
     for name, tgt, drafter in _pairs(root):
-        common = dict(
-            target=str(tgt),
-            prompts=prompts,
-            max_tokens=MAX_TOKENS,
-            enforce_eager=False,
-            extra_engine_kwargs=GPU_ENGINE_KWARGS,
-        )
+        common = gpu_run_fields(str(tgt), prompts, MAX_TOKENS)
         configs[f"{name}-plain"] = RunConfig(**common)
         configs[f"{name}-ours"] = RunConfig(
             **common, assistant=str(drafter), num_speculative_tokens=3

@@ -26,9 +26,9 @@ import torch
 from transformers import AutoConfig
 
 from gemma4_spec.testing.engine_run import (
-    GPU_ENGINE_KWARGS,
     PLUGIN_DRAFT_MODEL,
     RunResult,
+    gpu_run_fields,
     run_tensor_parallel_three_ways,
 )
 
@@ -70,13 +70,7 @@ def runs(pairs: dict[str, tuple[Path, Path]]) -> dict[tuple[str, str], dict[str,
         vocab = AutoConfig.from_pretrained(target).get_text_config().vocab_size
         rng = random.Random(21)
         prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in PROMPT_LENGTHS]
-        common = dict(
-            target=str(target),
-            prompts=prompts,
-            max_tokens=MAX_TOKENS,
-            enforce_eager=False,
-            extra_engine_kwargs=GPU_ENGINE_KWARGS,
-        )
+        common = gpu_run_fields(str(target), prompts, MAX_TOKENS)
         for runner, flag in RUNNERS.items():  # each runner in a process of its own
             out[name, runner] = run_tensor_parallel_three_ways(
                 common,

@@ -40,6 +40,18 @@ GPU_ENGINE_KWARGS: dict[str, Any] = {
 }
 
 
+def gpu_run_fields(target: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """The ``RunConfig`` fields of a GPU engine test's engine: CUDA graphs on,
+    ``GPU_ENGINE_KWARGS``; the speculative fields are added per engine."""
+    return dict(
+        target=target,
+        prompts=prompts,
+        max_tokens=max_tokens,
+        enforce_eager=False,
+        extra_engine_kwargs=GPU_ENGINE_KWARGS,
+    )
+
+
 @dataclass(frozen=True)
 class RunConfig:
     target: str
