@@ -61,6 +61,7 @@ class Reply:
     kind: str
     question: int
     texts: dict[int, str] = field(default_factory=dict)  # by choice index
+    finished: dict[int, str] = field(default_factory=dict)  # finish_reason, by choice index
     status: int | None = None  # HTTP status of a refused request
     error: str | None = None  # anything else that went wrong
 
@@ -77,6 +78,8 @@ def _stream(server: Server, kind: str, question: int, params: dict[str, Any]) ->
         for chunk in chunks:
             for choice in chunk.choices:
                 reply.texts[choice.index] = reply.texts.get(choice.index, "") + choice.text
+                if choice.finish_reason:
+                    reply.finished[choice.index] = choice.finish_reason
     except APIStatusError as e:
         reply.status = e.status_code
     except Exception as e:  # noqa: BLE001 - a dropped connection must fail the test, with its text
@@ -117,8 +120,11 @@ def test_64_mixed_streams(
         greedy = {q: _stream(plain, "greedy", q, dict(temperature=0.0)).texts for q in range(4)}
         for r in good:
             want_choices = 2 if r.kind == "n=2" else 1
+            # Every choice ran to its end: its length, or a stop token (a sampled one may stop
+            # at once, with an empty text).
             assert sorted(r.texts) == list(range(want_choices)), (r.kind, r.texts)
-            assert all(r.texts.values()), (r.kind, r.texts)
+            assert sorted(r.finished) == list(range(want_choices)), (r.kind, r.finished)
+            assert set(r.finished.values()) <= {"stop", "length"}, (r.kind, r.finished)
             if r.kind in ("greedy", "top_k=1"):
                 assert r.texts == greedy[r.question], (r.kind, r.question)
         for q in range(len(QUESTIONS)):
