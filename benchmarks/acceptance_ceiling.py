@@ -60,7 +60,8 @@ from gemma4_spec.ops.centroid_argmax import CentroidMask, masked_logits
 from gemma4_spec.report import gsm8k_questions
 from gemma4_spec.testing.tiny import load_hf_pair
 from gemma4_spec.training.assistant import draft_step
-from gemma4_spec.training.corpus import pad_batch, prompt_ids
+from gemma4_spec.training.corpus import prompt_ids
+from gemma4_spec.training.features import target_pass
 
 # The per-position quantities, per draft step (names of the JSON output's keys).
 GREEDY_MASKED = "greedy_masked"  # p(argmax q_masked): our greedy drafts
@@ -227,7 +228,7 @@ def centroid_mask(assistant: Gemma4AssistantForCausalLM) -> CentroidMask:
 
 
 def _shifted(values: torch.Tensor, shift: int, fill: int | bool) -> torch.Tensor:
-    """``values[:, p + shift]`` at column p (``fill`` past the end)."""
+    """``values[:, p + shift]`` at column p along dimension 1 (``fill`` past the end)."""
     out = torch.full_like(values, fill)
     out[:, : values.shape[1] - shift] = values[:, shift:]
     return out
@@ -247,15 +248,7 @@ def draft_outputs(
     Step s at p: input token x_{p+s}, verified by the target's logits at p+s (the distribution
     of x_{p+s+1})."""
     seqs = [list(p) + list(c) for p, c in zip(prompts, continuations, strict=True)]
-    ids, mask = pad_batch(seqs, target.config.pad_token_id)
-    out = target(
-        input_ids=ids,
-        attention_mask=mask.long(),
-        use_cache=False,
-        output_hidden_states=True,
-        return_shared_kv_states=True,
-    )
-    shared = {name: (key, value) for name, (key, value) in out.shared_kv_states.items()}
+    ids, mask, out, shared = target_pass(target, seqs)
     anchors = torch.zeros_like(mask)
     for row, prompt in enumerate(prompts):
         anchors[row, len(prompt) - 1 :] = True
@@ -268,17 +261,10 @@ def draft_outputs(
     for step in range(1, k + 1):
         draft_hidden, hidden = draft_step(assistant, embed(_shifted(ids, step, 0)), hidden, shared)
         rows = draft_hidden[valid]
-        outputs.target_logits.append(_shifted_rows(out.logits, step)[valid])
+        outputs.target_logits.append(_shifted(out.logits, step, 0)[valid])
         outputs.masked_logits.append(masked_logits(rows, assistant.lm_head.weight, mask_rule))
         outputs.dense_logits.append(assistant.lm_head(rows))
     return outputs
-
-
-def _shifted_rows(values: torch.Tensor, shift: int) -> torch.Tensor:
-    """``values[:, p + shift]`` at column p for a [B, L, V] tensor (zeros past the end)."""
-    out = torch.zeros_like(values)
-    out[:, : values.shape[1] - shift] = values[:, shift:]
-    return out
 
 
 def per_position(steps: StepOutputs, setting: Setting) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import Gemma4ForCausalLM, GenerationConfig
@@ -27,7 +28,7 @@ class FeatureBatch:
     anchors: torch.Tensor  # [B, L] positions p drafting starts from: last prompt token onwards
     hidden: torch.Tensor  # [B, L, H] final-normed target hidden state at p
     greedy: torch.Tensor  # [B, L] target's greedy token after position p
-    shared_kv: dict[str, tuple[torch.Tensor, torch.Tensor]]  # type -> K, V [B, kv, L, d]
+    shared_kv: SharedKV
 
 
 @torch.no_grad()
@@ -61,6 +62,27 @@ def greedy_continuations(
     return out
 
 
+SharedKV = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer type -> K, V [B, kv, L, d]
+
+
+@torch.no_grad()
+def target_pass(
+    target: Gemma4ForCausalLM, seqs: Sequence[Sequence[int]]
+) -> tuple[torch.Tensor, torch.Tensor, Any, SharedKV]:
+    """One pass of the target, without a cache, over ``seqs`` right-padded: (ids, mask, the
+    output with its logits and hidden states, the shared K/V the assistant's layers read)."""
+    ids, mask = pad_batch(seqs, target.config.pad_token_id)
+    out = target(
+        input_ids=ids,
+        attention_mask=mask.long(),
+        use_cache=False,
+        output_hidden_states=True,
+        return_shared_kv_states=True,
+    )
+    shared_kv = {name: (k, v) for name, (k, v) in out.shared_kv_states.items()}
+    return ids, mask, out, shared_kv
+
+
 @torch.no_grad()
 def target_features(
     target: Gemma4ForCausalLM,
@@ -74,17 +96,10 @@ def target_features(
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
         seqs = [list(prompts[i]) + list(continuations[i]) for i in rows]
-        ids, mask = pad_batch(seqs, target.config.pad_token_id)
+        ids, mask, out, shared_kv = target_pass(target, seqs)
         anchors = torch.zeros_like(mask)
         for row, i in enumerate(rows):
             anchors[row, len(prompts[i]) - 1 : len(seqs[row])] = True
-        out = target(
-            input_ids=ids,
-            attention_mask=mask.long(),
-            use_cache=False,
-            output_hidden_states=True,
-            return_shared_kv_states=True,
-        )
         batches.append(
             FeatureBatch(
                 ids=ids,
@@ -92,7 +107,7 @@ def target_features(
                 anchors=anchors,
                 hidden=out.hidden_states[-1],
                 greedy=out.logits.argmax(-1),
-                shared_kv={name: (k, v) for name, (k, v) in out.shared_kv_states.items()},
+                shared_kv=shared_kv,
             )
         )
     return batches
