@@ -57,9 +57,7 @@ class TritonCompiles:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=real_work.PAIRS, default="trained")
-    parser.add_argument(
-        "--variant", default="ours-V1", choices=["plain", *real_work.VARIANTS], help="plain: k=0"
-    )
+    parser.add_argument("--variant", default="ours-V1", choices=real_work.ENGINE_VARIANTS)
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--batch", default="8,16")
     parser.add_argument("--workdir", default="/tmp/real")
@@ -77,20 +75,13 @@ def main() -> int:
         help="list every Triton compilation of each pass beside the start-up's of that kernel",
     )
     args = parser.parse_args()
-    import os
-
     compiles = TritonCompiles()
     if args.triton_compiles and not compiles.install():
         parser.error("--triton-compiles needs Triton")
 
-    variant = real_work.VARIANTS.get(args.variant, {"env": real_work.PLAIN_ENV, "spec": {}})
-    os.environ.update(variant["env"])
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process
-    from vllm import LLM, SamplingParams
+    llm, target = real_work.start_in_process(args.pair, args.variant, args.k, Path(args.workdir))
+    from vllm import SamplingParams
 
-    target, assistant = real_work._pair(args.pair, Path(args.workdir))
-    k = 0 if args.variant == "plain" else args.k
-    llm = LLM(**real_work.engine_kwargs(args.pair, target, assistant, k, variant["spec"]))
     batches = [int(b) for b in args.batch.split(",")]
     prompts = real_work._prompts(args.pair, target, max(batches))
     params = SamplingParams(

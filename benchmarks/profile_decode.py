@@ -21,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+import real_work  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pair", choices=("e2b", "trained"), default="e2b")
-    parser.add_argument("--variant", default="ours-V1", help="plain, in-tree, ours-V1, ours-V2")
+    parser.add_argument("--pair", choices=real_work.PAIRS, default="e2b")
+    parser.add_argument("--variant", default="ours-V1", choices=real_work.ENGINE_VARIANTS)
     parser.add_argument("--workdir", default="/tmp/real-work")
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--batch", default="1", help="comma-separated batch sizes")
@@ -43,20 +44,10 @@ def main() -> None:
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=45)
     args = parser.parse_args()
-    import real_work
-
-    if args.variant != "plain" and args.variant not in real_work.VARIANTS:
-        parser.error(f"--variant: plain or one of {sorted(real_work.VARIANTS)}")
-    variant = real_work.VARIANTS.get(args.variant, {"env": real_work.PLAIN_ENV, "spec": {}})
-    os.environ.update(variant["env"])
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    real_work.enter_variant(args.variant)  # before the draft-argmax choice imports vLLM
     os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # the runner's scopes
-    from vllm import LLM
-
-    target, assistant = real_work._pair(args.pair, Path(args.workdir))
-    k = 0 if args.variant == "plain" else args.k
     _choose_draft_argmax(args.draft_argmax)
-    llm = LLM(**real_work.engine_kwargs(args.pair, target, assistant, k, variant["spec"]))
+    llm, target = real_work.start_in_process(args.pair, args.variant, args.k, Path(args.workdir))
     batches = [int(b) for b in args.batch.split(",")]
     all_prompts = real_work._prompts(args.pair, target, max(batches))
     for batch in batches:
@@ -97,7 +88,6 @@ def _exclusive(lock: str | None) -> Iterator[None]:
 
 
 def _profile_batch(llm: Any, prompts: list[Any], args: argparse.Namespace, batch: int) -> None:
-    import real_work
     import torch
     from vllm import SamplingParams
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -81,6 +82,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
 }
 DEFAULT_VARIANTS = ("in-tree", "ours-V1", "ours-V2")
+# What the profilers can start: plain decoding (drafting nothing) or a speculative variant.
+ENGINE_VARIANTS = ("plain", *VARIANTS)
 
 
 def configurations(
@@ -154,6 +157,27 @@ def engine_kwargs(
             **(spec or {}),
         }
     return kwargs
+
+
+def enter_variant(variant: str) -> dict[str, Any]:
+    """Put this process in ``variant``'s environment (one of ``ENGINE_VARIANTS``), with the
+    engine core in this process (where a profiler sees it); returns its speculative-config
+    additions. Before anything imports vLLM."""
+    chosen = {"env": PLAIN_ENV, "spec": {}} if variant == "plain" else VARIANTS[variant]
+    os.environ.update(chosen["env"])
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return chosen["spec"]
+
+
+def start_in_process(pair: str, variant: str, k: int, workdir: Path) -> tuple[Any, Path]:
+    """An engine of ``variant`` with ``k`` drafts (none for plain) on ``pair``, in this process
+    (``enter_variant``): the ``LLM`` and the target's path."""
+    spec = enter_variant(variant)
+    from vllm import LLM
+
+    target, assistant = _pair(pair, workdir)
+    k = 0 if variant == "plain" else k
+    return LLM(**engine_kwargs(pair, target, assistant, k, spec)), target
 
 
 def _prompts(pair: str, target: Path, count: int) -> list[dict[str, Any]]:
