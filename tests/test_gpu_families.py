@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from gemma4_spec.testing.engine_run import (
-    GPU_ENGINE_KWARGS,
     PLUGIN_DRAFT_MODEL,
     RunConfig,
     RunResult,
     generate_in_subprocess,
+    gpu_run_fields,
 )
 from gemma4_spec.testing.families import FAMILIES, build_family_pair
 from gemma4_spec.testing.kv_norms import add_missing_k_norms
@@ -58,13 +58,9 @@ def prompts() -> list[list[int]]:
 
 def _config(target: Path, prompts: list[list[int]], assistant: Path | None) -> RunConfig:
     return RunConfig(
-        target=str(target),
-        prompts=prompts,
+        **gpu_run_fields(str(target), prompts, MAX_TOKENS),
         assistant=None if assistant is None else str(assistant),
         num_speculative_tokens=K,
-        max_tokens=MAX_TOKENS,
-        enforce_eager=False,
-        extra_engine_kwargs=GPU_ENGINE_KWARGS,
     )
 
 
