@@ -80,6 +80,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY": "0"},
         "spec": {},
     },
+    # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):
+    # what it changes in a first pass.
+    "ours-V2-nowarm": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_PREFILL_WARMUP": "0"},
+        "spec": {},
+    },
 }
 DEFAULT_VARIANTS = ("in-tree", "ours-V1", "ours-V2")
 # What the profilers can start: plain decoding (drafting nothing) or a speculative variant.

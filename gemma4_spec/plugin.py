@@ -18,6 +18,7 @@ from gemma4_spec.patch import (
     patch_rejection_sampler,
     patch_top_k_only,
     patch_triton_attn,
+    patch_v2_warmup,
     patch_vllm_config,
 )
 from gemma4_spec.patch.hooks import when_imported
@@ -57,3 +58,4 @@ def register() -> None:
     when_imported(patch_cpu_expand.REJECTION_SAMPLER_MODULE, patch_cpu_expand.apply)
     when_imported(patch_top_k_only.TOPK_TOPP_MODULE, patch_top_k_only.apply)
     when_imported(patch_cpu_generators.RUNNER_MODULE, patch_cpu_generators.apply)
+    when_imported(patch_v2_warmup.WORKER_MODULE, patch_v2_warmup.apply)

@@ -32,6 +32,7 @@ from gemma4_spec.patch import (
     patch_rejection_sampler,
     patch_top_k_only,
     patch_triton_attn,
+    patch_v2_warmup,
     patch_vllm_config,
 )
 from gemma4_spec.testing.engine_run import PLUGIN_PROPOSER
@@ -106,6 +107,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_cpu_expand.REJECTION_SAMPLER_MODULE,
         patch_top_k_only.TOPK_TOPP_MODULE,
         patch_cpu_generators.RUNNER_MODULE,
+        patch_v2_warmup.WORKER_MODULE,
     ]
     assert [cb for _, cb in fresh_plugin["when_imported"]] == [
         patch_engine_args.apply,
@@ -116,6 +118,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_cpu_expand.apply,
         patch_top_k_only.apply,
         patch_cpu_generators.apply,
+        patch_v2_warmup.apply,
     ]
     entry = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
     assert f"{entry.module_name}:{entry.class_name}" == plugin.MODEL_CLASS
@@ -362,6 +365,93 @@ def test_greedy_drafting_on_v2_goes_through_our_argmax(
         spec.use_local_argmax_reduction = False
     draft_with_our_argmax(spec)
     assert getattr(spec, "use_local_argmax_reduction", None) is expected
+
+
+# --- the start-up warm-up of small prefill batches (Model Runner V2) ----------------------------
+
+
+def _patched_worker_module(seen: list[int]) -> ModuleType:
+    """A worker module whose warm-up records the request cap it ran under (vLLM's sizes its
+    batch by ``scheduler_config.max_num_seqs``) and fails on a cap of 2 when asked to."""
+
+    def warmup_kernels(model_runner: Any, execute_model: Any, sample_tokens: Any) -> None:
+        assert (execute_model, sample_tokens) == ("execute", "sample")
+        cap = model_runner.scheduler_config.max_num_seqs
+        seen.append(cap)
+        if cap == 2 and model_runner.fail_at_two:
+            raise RuntimeError("warm-up failed")
+
+    module = ModuleType("fake_vllm_gpu_worker")
+    module.warmup_kernels = warmup_kernels  # type: ignore[attr-defined]
+    patch_v2_warmup.apply(module)
+    once = module.warmup_kernels  # type: ignore[attr-defined]
+    patch_v2_warmup.apply(module)  # idempotent
+    assert module.warmup_kernels is once  # type: ignore[attr-defined]
+    return module
+
+
+def _runner(method: str | None, max_num_seqs: int, fail_at_two: bool = False) -> Any:
+    from types import SimpleNamespace
+
+    config = _FakeConfig(method, default=True)
+    return SimpleNamespace(
+        vllm_config=config,
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        fail_at_two=fail_at_two,
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "max_num_seqs", "env", "expected"),
+    [
+        ("gemma4_mtp", 256, None, [256, 1, 2, 16]),  # then one batch of each integer class
+        ("gemma4_mtp", 8, None, [8, 1, 2]),  # no batch of 16 requests can happen
+        ("gemma4_mtp", 1, None, [1]),  # vLLM's own warm-up is the one-request batch
+        ("gemma4_mtp", 256, "0", [256]),  # GEMMA4_SPEC_PREFILL_WARMUP=0
+        ("eagle", 256, None, [256]),  # other speculative methods: vLLM's warm-up alone
+        (None, 256, None, [256]),  # no speculation
+    ],
+)
+def test_small_prefill_batches_are_warmed_for_gemma4_mtp(
+    monkeypatch: pytest.MonkeyPatch,
+    method: str | None,
+    max_num_seqs: int,
+    env: str | None,
+    expected: list[int],
+) -> None:
+    if env is None:
+        monkeypatch.delenv(patch_v2_warmup.PREFILL_WARMUP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(patch_v2_warmup.PREFILL_WARMUP_ENV, env)
+    seen: list[int] = []
+    runner = _runner(method, max_num_seqs)
+    _patched_worker_module(seen).warmup_kernels(runner, "execute", "sample")
+    assert seen == expected
+    assert runner.scheduler_config.max_num_seqs == max_num_seqs
+
+
+def test_the_request_cap_is_restored_when_a_warm_up_round_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(patch_v2_warmup.PREFILL_WARMUP_ENV, raising=False)
+    seen: list[int] = []
+    runner = _runner("gemma4_mtp", 64, fail_at_two=True)
+    with pytest.raises(RuntimeError, match="warm-up failed"):
+        _patched_worker_module(seen).warmup_kernels(runner, "execute", "sample")
+    assert seen == [64, 1, 2]
+    assert runner.scheduler_config.max_num_seqs == 64
+
+
+def test_real_gpu_worker_warm_up_is_patched_in_engine_processes() -> None:
+    result = run_python(
+        "import json\n"
+        "from gemma4_spec.patch.hooks import is_ours\n"
+        "from gemma4_spec.plugin import register\n"
+        "register()\n"
+        "import vllm.v1.worker.gpu_worker as worker\n"
+        "print('RESULT:' + json.dumps(is_ours(worker.warmup_kernels)))\n"
+    )
+    assert result is True
 
 
 # --- compat: the one API difference between vLLM 0.26 and 0.32 that we meet -----------------

@@ -475,6 +475,13 @@ CONTRACTS: tuple[Contract, ...] = (
     ),
     Check("V2 forward keywords", _v2_forward_keywords),
     Attributes("vllm.config:SpeculativeConfig", ("use_local_argmax_reduction",)),
+    # patch/patch_v2_warmup.py: the worker's name for V2's warm-up, which we wrap, and the
+    # request cap it sizes its batch by.
+    Params(
+        "vllm.v1.worker.gpu_worker:warmup_kernels",
+        positional=("model_runner", "worker_execute_model", "worker_sample_tokens"),
+    ),
+    Attributes("vllm.config:SchedulerConfig", ("max_num_seqs",)),
     # patch/patch_vllm_config.py: the property we wrap and the variable it reads.
     Exists("vllm.config.vllm:VllmConfig.use_v2_model_runner", "property"),
     Exists("vllm.envs:VLLM_USE_V2_MODEL_RUNNER"),

@@ -73,6 +73,11 @@ class RunConfig:
     # One dict of ``SamplingParams`` arguments per prompt, over the defaults above (e.g.
     # ``{"seed": None, "top_k": 64}``); empty: every prompt gets the defaults.
     sampling: list[dict[str, Any]] = field(default_factory=list)
+    # The prompts as successive ``generate`` calls of these many requests each, in order (e.g.
+    # ``[1, 3]``: the first prompt alone, then the next three together); empty: one call.
+    request_batches: list[int] = field(default_factory=list)
+    # Record the Triton kernels the worker compiles while generating (after start-up).
+    count_triton_compiles: bool = False
 
 
 @dataclass
@@ -128,6 +133,9 @@ class RunResult:
     # Async scheduling's computed-token corrections replayed from CUDA graphs
     # (spec_decode/computed_tokens.py).
     correction_graph_replays: int = 0
+    # With ``count_triton_compiles``: the kernel (and specialisation) of every Triton
+    # compilation the worker ran while generating, after its start-up.
+    triton_compiles: list[str] = field(default_factory=list)
     # The facts above as every worker reported them, in rank order (the fields hold rank 0's):
     # under tensor parallelism every rank drafts, and must take the same paths.
     rank_facts: list[dict[str, Any]] = field(default_factory=list)
@@ -183,6 +191,13 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
+    if config.request_batches and sum(config.request_batches) != len(config.prompts):
+        raise ValueError(
+            f"request_batches {config.request_batches} do not add up to "
+            f"{len(config.prompts)} prompts"
+        )
+    if config.sampling and len(config.sampling) != len(config.prompts):
+        raise ValueError(f"{len(config.sampling)} sampling dicts for {len(config.prompts)} prompts")
     llm = LLM(**engine_kwargs(config, single_process=single_process))
     defaults: dict[str, Any] = dict(
         max_tokens=config.max_tokens,
@@ -190,13 +205,18 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
         seed=config.seed,
         ignore_eos=True,
     )
-    if config.sampling and len(config.sampling) != len(config.prompts):
-        raise ValueError(f"{len(config.sampling)} sampling dicts for {len(config.prompts)} prompts")
     per_prompt = config.sampling or [{}] * len(config.prompts)
     params = [SamplingParams(**{**defaults, **changes}) for changes in per_prompt]
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in config.prompts], params, use_tqdm=False
-    )
+    if config.count_triton_compiles:
+        llm.collective_rpc(_count_triton_compiles)
+    requests = [{"prompt_token_ids": p} for p in config.prompts]
+    batches = config.request_batches or [len(requests)]
+    outputs = []
+    for size in batches:
+        start = len(outputs)
+        outputs += llm.generate(
+            requests[start : start + size], params[start : start + size], use_tqdm=False
+        )
     result = RunResult(
         token_ids=[list(o.outputs[0].token_ids) for o in outputs],
         all_token_ids=[[list(c.token_ids) for c in o.outputs] for o in outputs],
@@ -264,7 +284,30 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "correction_graph_replays": correction.launches.replays
         if isinstance(correction, GraphedCorrection)
         else 0,
+        "triton_compiles": list(_triton_compiles or []),
     }
+
+
+# Triton compilations in this worker since ``_count_triton_compiles`` (None: not counting).
+_triton_compiles: list[str] | None = None
+
+
+def _count_triton_compiles(worker: Any) -> None:
+    """Runs in the worker: from now on, note every Triton JIT compilation (Triton calls its
+    ``jit_cache_hook`` before compiling a specialisation it does not hold in memory), and call
+    the hook that was there before (vLLM's JIT monitor installs one)."""
+    global _triton_compiles
+    from triton import knobs
+
+    _triton_compiles = []
+    seen = _triton_compiles
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs: Any) -> Any:
+        seen.append(str(kwargs.get("repr", kwargs.get("key"))))
+        return previous(**kwargs) if previous is not None else False
+
+    knobs.runtime.jit_cache_hook = hook
 
 
 def _draft_query_heads(model: Any) -> list[int]:
