@@ -45,11 +45,12 @@ from gemma4_spec.switches import turned_off
 
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
-# Up to this many query tokens a verification batch goes to the decode kernel. H200, one E2B-like
-# layer, k = 2 (benchmarks/verify_attention.py): as one-token sequences 15-21 us vs vLLM's 26-33
-# at 3 and 24 tokens, but 31-45 vs 28-33 at 96 tokens with short contexts. Tunable with
-# GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
-FLAT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "64"))
+# Up to this many query tokens a verification batch goes to the decode kernel: where the whole
+# engine ran faster with the rewrite than without it on the H200 (E2B shape, k = 3, real_work's
+# ours-V2 against ours-V2-noflat: faster at 4 and 32 tokens, slower at 64; one layer alone,
+# benchmarks/verify_attention.py, is faster up to 24 tokens and slower at 96). Figures in
+# benchmarks/results/h200. Tunable with GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
+FLAT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "32"))
 
 logger = get_logger(__name__)
 _logged = False
