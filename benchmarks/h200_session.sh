@@ -40,6 +40,10 @@ set -uo pipefail
 step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|e2e|real|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
+# vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
+#   unzip -p .devexp/vllm/vllm-0.26.0-*.whl vllm/$MOE_SO | xz -9 -T0 > .devexp/parts/$MOE_SO.xz
+# and carried alone in a 'part' call of their own (39 MiB: with any other part over the limit).
+MOE_SO=_moe_C_stable_libtorch.abi3.so
 # Optional: committed copies of files to run instead of the tree's (e.g. while the kernels are
 # being edited here), carried as .devexp/pinned/<path relative to the repo root>.
 if [ -d .devexp/pinned ]; then (cd .devexp/pinned && find . -type f) | while read -r f; do
@@ -80,6 +84,11 @@ vllm|install|engine)  # install alone: vLLM without the tests (then e2e in the s
             [ -f "$d/vllm-trim.tar.xz.part$n" ] && { cat "$d/vllm-trim.tar.xz.part$n"; break; }
         done
     done | tar -xJ -C /tmp/site; [ "${PIPESTATUS[1]}" = 0 ] || exit 3  # the loop ends on a miss
+    # The trimmed vLLM lacks the MoE kernels (26B-A4B); staged separately when carried.
+    for d in /tmp/stage .devexp/parts; do
+        [ -f "$d/$MOE_SO.xz" ] && { xz -dc "$d/$MOE_SO.xz" > "/tmp/site/vllm/$MOE_SO"; break; }
+    done
+    [ -f "/tmp/site/vllm/$MOE_SO" ] || echo "no MoE kernels staged: the 26B-A4B shape cannot run"
     pip install -q --no-index --no-deps --no-compile --target /tmp/site \
         .devexp/wheels/*.whl .devexp/ours/*.whl 2>&1 | grep -v "as the 'root' user"
     pip install -q --no-index --no-deps --no-compile --target /tmp/tf .devexp/tf/*.whl \
@@ -120,8 +129,9 @@ e2e)
         > "$OUT/e2e.log" 2>&1
     echo "e2e rc=$?"; grep -v "Capturing\|it/s" "$OUT/e2e.log" | tail -"${E2E_TAIL:-12}"
     ;;
-part)  # only stage the carried parts of vLLM
-    mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part* /tmp/stage/ && ls -l /tmp/stage
+part)  # only stage the carried parts of vLLM (and the MoE kernels, if carried)
+    mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part* /tmp/stage/ 2>/dev/null
+    cp .devexp/parts/$MOE_SO.xz /tmp/stage/ 2>/dev/null; ls -l /tmp/stage
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     ;;
 real)
