@@ -172,11 +172,12 @@ profile-real)  # torch.profiler per engine variant (profile_decode.py), started 
             python3 benchmarks/profile_decode.py --pair "${PROFILE_PAIR:-trained}" \
             --variant "$v" --draft-argmax "$argmax" --k "${PROFILE_K:-3}" \
             --batch "${PROFILE_BATCH:-1,16}" --lock /tmp/profile.lock --workdir /tmp/real \
+            --graph-census \
             > "${logs[-1]}" 2>&1 &
     done
     wait
     for log in "${logs[@]}"; do
-        sed -n '/^=====/p;/^per output token/,/CPU busy/p;/^GPU timeline/,/^$/p' "$log"
+        sed -n '/^=====/p;/^CUDA-graph replays/,/^per output token/p;/^per output token/,/CPU busy/p;/^GPU timeline/,/^$/p' "$log"
     done
     ;;
 tp2)  # two GPUs (nvidia-h200-x2), after 'install': the TP=2 engine test and the speed rows

@@ -43,6 +43,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=45)
+    parser.add_argument(
+        "--graph-census",
+        action="store_true",
+        help="also count CUDA-graph replays per output token by the code that replays them",
+    )
     args = parser.parse_args()
     real_work.enter_variant(args.variant)  # before the draft-argmax choice imports vLLM
     os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # the runner's scopes
@@ -113,6 +118,8 @@ def _profile_batch(llm: Any, prompts: list[Any], args: argparse.Namespace, batch
             run(tokens)
         return prof
 
+    if args.graph_census:
+        _print_graph_census(run, args.tokens)
     # Per output token: a run of 1 + N tokens minus a run of 1 (the prefill), divided by N.
     base = _totals(profiled(1).key_averages())
     prof = profiled(1 + args.tokens)
@@ -131,6 +138,41 @@ def _profile_batch(llm: Any, prompts: list[Any], args: argparse.Namespace, batch
     )
     if args.trace:
         prof.export_chrome_trace(args.trace.replace(".json", f"-b{batch}.json"))
+
+
+def _print_graph_census(run: Any, tokens: int) -> None:
+    """CUDA-graph replays per output token of a request (a run of 1 + N tokens minus a run of
+    1, over N), by the function outside torch that called ``CUDAGraph.replay``: which graphs a
+    step launches (the target's, the drafter's, our small launches) and how many of each."""
+    import collections
+
+    import torch
+
+    counts: collections.Counter[str] = collections.Counter()
+    replay = torch.cuda.CUDAGraph.replay
+
+    def counted(graph: Any) -> Any:
+        frame = sys._getframe(1)
+        while frame is not None and "/torch/" in frame.f_code.co_filename:
+            frame = frame.f_back
+        where = "?" if frame is None else frame.f_code.co_filename.rsplit("/", 3)[-3:]
+        name = "?" if frame is None else frame.f_code.co_name
+        counts["/".join(where) + f":{name}"] += 1
+        return replay(graph)
+
+    def census(n: int) -> collections.Counter[str]:
+        counts.clear()
+        torch.cuda.CUDAGraph.replay = counted  # type: ignore[method-assign]
+        try:
+            run(n)
+        finally:
+            torch.cuda.CUDAGraph.replay = replay  # type: ignore[method-assign]
+        return collections.Counter(counts)
+
+    base, full = census(1), census(1 + tokens)
+    print("CUDA-graph replays per output token, by caller:")
+    for where in sorted(full, key=lambda w: -(full[w] - base[w])):
+        print(f"  {(full[where] - base[where]) / tokens:6.2f}  {where}")
 
 
 def _totals(table: Any) -> dict[str, tuple[float, float, float, float, float]]:
