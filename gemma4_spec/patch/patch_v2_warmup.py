@@ -6,12 +6,11 @@ warm-up prefills one batch of as many requests as the scheduler allows (``max_nu
 fewer where the batch's tokens or the KV blocks run out). Triton compiles a kernel once for each
 class of every integer argument (equal to 1, a multiple of 16, any other value), and the Triton
 attention kernel takes the batch's sequence count: a prefill of one request, or of a count in
-another class than the warm-up's, compiles the target's attention in the user's request. On the
-H200 (E2B shape, vLLM 0.26) an engine's first request of one prompt took 4.2 s against 0.76 s for
-the next, three kernels compiled in it (``benchmarks/results/h200``). vLLM's in-tree gemma4_mtp
-has them compiled at start-up as a side effect: it captures its draft-prefill graphs with
-batches of ``1 + k`` tokens a request, which the attention kernel runs as prefills; with our
-verification rewrite (``patch_triton_attn``) those batches run as one-token sequences instead.
+another class than the warm-up's, compiles the target's attention in the user's request, several
+times slower than the next one (measured on the H200: ``benchmarks/results/h200``). vLLM's
+in-tree gemma4_mtp has them compiled at start-up as a side effect: it captures its draft-prefill
+graphs with batches of ``1 + k`` tokens a request, which the attention kernel runs as prefills;
+with our verification rewrite (``patch_triton_attn``) those batches run as one-token sequences.
 
 When the engine drafts with gemma4_mtp, the wrapper runs vLLM's own warm-up again with the
 request count capped at each of ``WARM_REQUEST_COUNTS`` below ``max_num_seqs`` (one sequence,
