@@ -8,6 +8,8 @@
 #       --platform manylinux_2_17_x86_64 -d .devexp/tf \
 #       transformers==5.14.1 tokenizers==0.22.2 huggingface-hub==1.33.0  # what vLLM 0.26 reads
 #   pip wheel --no-deps --no-build-isolation -w .devexp/ours .  # for the plugin entry point
+#   (only its dist-info is needed, the code comes from the tree on PYTHONPATH: a wheel of the
+#   dist-info alone, 15 kB, leaves room for the MoE kernels beside part02 in the install call)
 # Then, on the device, one call each, back to back (the machine forgets /tmp when it goes cold):
 #   1. kernels  (carry .devexp/parts/vllm-trim.tar.xz.part00): kernel tests + benchmark, no
 #               vLLM needed (SWEEP=1: also the centroid path's block-size sweep, ~40 s);
