@@ -21,6 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import real_work  # noqa: E402
 
+from gemma4_spec.testing.engine_run import watch_triton_compiles  # noqa: E402
+
 
 class TritonCompiles:
     """Every Triton JIT compilation in this process (Triton's ``jit_cache_hook``, called before
@@ -33,15 +35,10 @@ class TritonCompiles:
 
     def install(self) -> bool:
         try:
-            from triton import knobs
+            watch_triton_compiles(lambda kernel: self.seen.append((self.phase, kernel)))
         except ImportError:
             return False
-        knobs.runtime.jit_cache_hook = self._hook
         return True
-
-    def _hook(self, **kwargs: object) -> bool:
-        self.seen.append((self.phase, str(kwargs.get("repr", kwargs.get("key")))))
-        return False  # compile as usual
 
     def report(self, phase: str) -> None:
         compiled = [text for when, text in self.seen if when == phase]

@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -288,26 +288,31 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
     }
 
 
+def watch_triton_compiles(note: Callable[[str], None]) -> None:
+    """From now on, hand ``note`` the kernel (and specialisation) of every Triton JIT
+    compilation in this process (Triton calls its ``jit_cache_hook`` before compiling a
+    specialisation it does not hold in memory), then call the hook that was there before (vLLM's
+    JIT monitor installs one). Needs Triton (ImportError otherwise)."""
+    from triton import knobs
+
+    previous = knobs.runtime.jit_cache_hook
+
+    def hook(**kwargs: Any) -> Any:
+        note(str(kwargs.get("repr", kwargs.get("key"))))
+        return previous(**kwargs) if previous is not None else False  # False: compile
+
+    knobs.runtime.jit_cache_hook = hook
+
+
 # Triton compilations in this worker since ``_count_triton_compiles`` (None: not counting).
 _triton_compiles: list[str] | None = None
 
 
 def _count_triton_compiles(worker: Any) -> None:
-    """Runs in the worker: from now on, note every Triton JIT compilation (Triton calls its
-    ``jit_cache_hook`` before compiling a specialisation it does not hold in memory), and call
-    the hook that was there before (vLLM's JIT monitor installs one)."""
+    """Runs in the worker: from now on, note every Triton JIT compilation."""
     global _triton_compiles
-    from triton import knobs
-
     _triton_compiles = []
-    seen = _triton_compiles
-    previous = knobs.runtime.jit_cache_hook
-
-    def hook(**kwargs: Any) -> Any:
-        seen.append(str(kwargs.get("repr", kwargs.get("key"))))
-        return previous(**kwargs) if previous is not None else False
-
-    knobs.runtime.jit_cache_hook = hook
+    watch_triton_compiles(_triton_compiles.append)
 
 
 def _draft_query_heads(model: Any) -> list[int]:
