@@ -70,14 +70,20 @@ PLAIN_ENV = {"VLLM_PLUGINS": "none"}  # plain decoding: vLLM alone
 # How each speculative engine runs: its environment and speculative-config additions.
 VARIANTS: dict[str, dict[str, Any]] = {
     "in-tree": {"env": PLAIN_ENV, "spec": {}},
-    # Ours on each runner: our proposer on V1; on V2 vLLM's speculator with our model and
-    # centroid argmax. With VLLM_USE_V2_MODEL_RUNNER unset ours runs on the plugin's default.
+    # Ours on each runner: our proposer on V1; on V2 our draft loop (spec_decode/runner_v2.py)
+    # with our model and centroid argmax. With VLLM_USE_V2_MODEL_RUNNER unset ours runs on the plugin's default.
     "ours-V1": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "spec": {}},
     "ours-V2": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "spec": {}},
     # Diagnostic, not run unless named in --variants: ours on V2 without the flat verification
     # attention (patch/patch_triton_attn.py), to measure what that shortcut earns in one run.
     "ours-V2-noflat": {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY": "0"},
+        "spec": {},
+    },
+    # vLLM's own V2 speculator (its draft prefill and step graphs) drafting with our model:
+    # what our V2 draft loop (patch/patch_v2_speculator.py) earns.
+    "ours-V2-vllmloop": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_V2_DRAFT_LOOP": "0"},
         "spec": {},
     },
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):

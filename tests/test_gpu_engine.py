@@ -19,6 +19,7 @@ import torch
 from gemma4_spec.testing.engine_run import (
     PLUGIN_DRAFT_MODEL,
     PLUGIN_PROPOSER,
+    PLUGIN_V2_SPECULATOR,
     RunConfig,
     generate_in_subprocess,
     gpu_run_fields,
@@ -80,21 +81,41 @@ def v2_runs(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("target", ["tiny", "e2b"])
 def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) -> None:  # type: ignore[no-untyped-def]
-    # Model Runner V2: vLLM's Gemma4 speculator runs our assistant model, greedy drafts through
-    # its get_top_tokens (the centroid argmax), and the output is plain decoding's.
+    # Model Runner V2: our speculator (spec_decode/runner_v2.py, vLLM's Gemma4 speculator with
+    # our draft loop) runs our assistant model, greedy drafts through its get_top_tokens (the
+    # centroid argmax), and the output is plain decoding's.
     plain, ours = v2_runs[f"{target}-plain"], v2_runs[f"{target}-ours"]
     assert ours.runner_class != V1_RUNNER
-    assert ours.drafter_class is not None and "Gemma4Speculator" in ours.drafter_class
+    assert ours.drafter_class == PLUGIN_V2_SPECULATOR
     assert ours.draft_model_class == PLUGIN_DRAFT_MODEL
     assert ours.token_ids == plain.token_ids
     metrics = ours.spec_metrics
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
-    # The target's verification attention (and the draft prefill reading the same metadata)
-    # ran as one-token sequences (patch/patch_triton_attn.py), through these equal tokens.
+    # The draft loop ran, decode steps replayed from the graphs captured at start-up (the
+    # prompts' prefill steps, mixed batches included, are drafted as one-query steps too).
+    assert ours.v2_loop_replays > 0
+    # The target's verification attention ran as one-token sequences
+    # (patch/patch_triton_attn.py), through these equal tokens.
     assert ours.flat_verify_rewrites > 0
     assert ours.flat_verify_graph_replays > 0
     assert plain.flat_verify_rewrites == 0
+
+
+@pytest.mark.parametrize("target", ["tiny", "e2b"])
+def test_v2_drafts_equal_our_v1_proposers(runs, v2_runs, target: str) -> None:  # type: ignore[no-untyped-def]
+    # Both runners draft each step from each request's last accepted token with keys up to it
+    # alone, so in float32 they propose the same drafts: the same tokens accepted at every
+    # draft position (vLLM's own V2 speculator keeps the rejected tokens' keys in its later
+    # draft steps, and accepts fewer).
+    v1, v2 = runs[f"{target}-ours"], v2_runs[f"{target}-ours"]
+    for name in (
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+    ):
+        assert v2.spec_metrics[name] == v1.spec_metrics[name], name
 
 
 @pytest.mark.parametrize("target", ["tiny", "e2b"])

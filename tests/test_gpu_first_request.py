@@ -20,7 +20,12 @@ import pytest
 import torch
 
 from gemma4_spec.patch.patch_v2_warmup import PREFILL_WARMUP_ENV
-from gemma4_spec.testing.engine_run import RunConfig, generate_in_subprocess, gpu_run_fields
+from gemma4_spec.testing.engine_run import (
+    PLUGIN_V2_SPECULATOR,
+    RunConfig,
+    generate_in_subprocess,
+    gpu_run_fields,
+)
 from gemma4_spec.testing.kv_norms import add_missing_k_norms
 from gemma4_spec.testing.tiny import build_tiny_assistant, build_tiny_e2b_like_target
 
@@ -63,7 +68,7 @@ def runs(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 def test_first_requests_compile_no_triton_kernel(runs) -> None:  # type: ignore[no-untyped-def]
     warmed = runs["warmed"]
-    assert warmed.drafter_class is not None and "Gemma4Speculator" in warmed.drafter_class
+    assert warmed.drafter_class == PLUGIN_V2_SPECULATOR
     assert warmed.spec_metrics["vllm:spec_decode_num_drafts"] > 0
     assert warmed.triton_compiles == [], "\n".join(warmed.triton_compiles)
 

@@ -32,6 +32,7 @@ from gemma4_spec.patch import (
     patch_rejection_sampler,
     patch_top_k_only,
     patch_triton_attn,
+    patch_v2_speculator,
     patch_v2_warmup,
     patch_vllm_config,
 )
@@ -108,6 +109,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_top_k_only.TOPK_TOPP_MODULE,
         patch_cpu_generators.RUNNER_MODULE,
         patch_v2_warmup.WORKER_MODULE,
+        patch_v2_speculator.SPECULATOR_MODULE,
     ]
     assert [cb for _, cb in fresh_plugin["when_imported"]] == [
         patch_engine_args.apply,
@@ -119,6 +121,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_top_k_only.apply,
         patch_cpu_generators.apply,
         patch_v2_warmup.apply,
+        patch_v2_speculator.apply,
     ]
     entry = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
     assert f"{entry.module_name}:{entry.class_name}" == plugin.MODEL_CLASS
@@ -477,3 +480,48 @@ def test_drafting_metadata_on_either_vllm() -> None:
     assert compat.build_drafting_metadata(Group026(), "meta", 0) == "from-builder"
     assert compat.build_drafting_metadata(Group032(), "meta", 2) == "from-group"
     assert calls == [("builder", "meta", 0), ("group", "meta", 2)]
+
+
+# --- patch_v2_speculator ---------------------------------------------------------------------
+
+
+def _speculator_module() -> ModuleType:
+    """A stand-in for vLLM's gemma4 speculator module, holding vLLM's real class."""
+    from vllm.v1.worker.gpu.spec_decode.gemma4 import speculator
+
+    module = ModuleType("fake_gemma4_speculator")
+    module.Gemma4Speculator = speculator.Gemma4Speculator  # type: ignore[attr-defined]
+    return module
+
+
+@pytest.mark.parametrize(
+    ("supported", "env", "ours"),
+    [(True, None, True), (True, "0", False), (False, None, False)],
+)
+def test_v2_draft_loop_replaces_vllms_speculator_where_supported(
+    monkeypatch: pytest.MonkeyPatch, supported: bool, env: str | None, ours: bool
+) -> None:
+    from gemma4_spec.spec_decode.runner_v2 import Gemma4LoopSpeculator
+
+    if env is None:
+        monkeypatch.delenv(patch_v2_speculator.V2_DRAFT_LOOP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(patch_v2_speculator.V2_DRAFT_LOOP_ENV, env)
+    monkeypatch.setattr(patch_v2_speculator, "v2_draft_loop_supported", lambda: supported)
+    module = _speculator_module()
+    vllms = module.Gemma4Speculator  # type: ignore[attr-defined]
+    patch_v2_speculator.apply(module)
+    patch_v2_speculator.apply(module)  # idempotent
+    installed = module.Gemma4Speculator  # type: ignore[attr-defined]
+    assert (installed is Gemma4LoopSpeculator) == ours
+    assert issubclass(installed, vllms)
+    if not ours:
+        assert installed is vllms
+
+
+def test_v2_draft_loop_is_gated_to_the_vllm_it_was_read_in() -> None:
+    from gemma4_spec.compat import v2_draft_loop_supported
+
+    assert v2_draft_loop_supported(Version("0.26.0"))
+    assert not v2_draft_loop_supported(Version("0.32.0"))
+    assert not v2_draft_loop_supported(Version("0.33.0"))

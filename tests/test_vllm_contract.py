@@ -65,6 +65,117 @@ def _v2_forward_keywords() -> Iterator[str]:
     yield from (f"our forward takes no {k!r}" for k in sorted(passed - accepted))
 
 
+V2_LOOP = "gemma4_spec.spec_decode.runner_v2:Gemma4LoopSpeculator"
+
+
+def _v2_draft_loop_interfaces() -> Iterator[str]:
+    """What ``spec_decode/runner_v2.py`` reads of vLLM, on the versions it is installed on
+    (``compat.V2_DRAFT_LOOP_VLLM``; elsewhere vLLM's speculator stays and nothing is read)."""
+    from gemma4_spec.compat import v2_draft_loop_supported
+
+    if not v2_draft_loop_supported():
+        return
+    base = "vllm.v1.worker.gpu.spec_decode.autoregressive.speculator:AutoRegressiveSpeculator"
+    manager = "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager"
+    checks: tuple[Contract, ...] = (
+        Overrides(V2_LOOP, V2_SPECULATOR, own=("_dispatch", "_draft_loop")),
+        Attributes(
+            V2_SPECULATOR,
+            (
+                "input_buffers",
+                "hidden_states",
+                "idx_mapping",
+                "temperature",
+                "seeds",
+                "draft_tokens",
+                "draft_logits",
+                "current_draft_step",
+                "decode_cudagraph_manager",
+                "dp_size",
+                "supports_mm_inputs",
+                "model_state",
+                "block_tables",
+                "attn_groups",
+                "kv_cache_config",
+                "draft_max_seq_len",
+                "max_model_len",
+                "num_speculative_steps",
+            ),
+        ),  # fmt: skip
+        Params(
+            f"{base}._run_model",
+            positional=(
+                "num_tokens",
+                "attn_metadata",
+                "slot_mappings",
+                "num_tokens_across_dp",
+                "cudagraph_runtime_mode",
+            ),
+        ),  # fmt: skip
+        Params(
+            f"{V2_SPECULATOR}.sample_draft",
+            positional=(
+                "hidden_states",
+                "positions",
+                "idx_mapping",
+                "temperature",
+                "seeds",
+                "draft_step",
+                "draft_logits",
+            ),
+        ),  # fmt: skip
+        Params(
+            f"{V2_SPECULATOR}._copy_request_inputs",
+            positional=("num_reqs", "idx_mapping", "temperature", "seeds"),
+        ),
+        Params(
+            f"{V2_SPECULATOR}._build_draft_attn_metadata",
+            keywords=("num_reqs", "num_reqs_padded", "num_tokens_padded"),
+        ),
+        Params(f"{V2_SPECULATOR}._prepare_eplb_forward", positional=("num_unpadded_tokens",)),
+        Params(
+            f"{manager}.dispatch",
+            positional=("num_reqs", "num_tokens", "uniform_token_count", "num_active_loras"),
+        ),
+        Params(f"{manager}.run_fullgraph", positional=("desc",)),
+        Params(f"{manager}.needs_capture"),
+        Params(
+            "vllm.v1.worker.gpu.spec_decode.autoregressive.cudagraph_utils:"
+            "SpeculatorCudaGraphManager.capture",
+            positional=(
+                "forward_fn",
+                "model_state",
+                "input_buffers",
+                "block_tables",
+                "attn_groups",
+                "kv_cache_config",
+                "progress_bar_desc",
+            ),
+        ),  # fmt: skip
+        Params(
+            "vllm.v1.worker.gpu.cudagraph_utils:BatchExecutionDescriptor",
+            keywords=("cg_mode", "num_tokens", "num_reqs"),
+        ),
+        Attributes(
+            "vllm.v1.worker.gpu.input_batch:InputBatch",
+            (
+                "num_reqs",
+                "query_start_loc",
+                "seq_lens",
+                "positions",
+                "idx_mapping",
+                "seq_lens_cpu_upper_bound",
+            ),
+        ),  # fmt: skip
+        Attributes(
+            "vllm.v1.worker.gpu.input_batch:InputBuffers",
+            ("input_ids", "positions", "query_start_loc", "seq_lens"),
+        ),
+    )
+    for contract in checks:  # Overrides also checks propose's signature against vLLM's
+        yield from contract.problems()
+
+
 def _assistant_config_override() -> Iterator[str]:
     """vLLM turns a gemma4_assistant config into the draft config whose architecture our
     plugin registers (``plugin.ASSISTANT_ARCHITECTURE``) and whose model_type
@@ -474,6 +585,8 @@ CONTRACTS: tuple[Contract, ...] = (
         why="combine_hidden_states: eagle3 drafts only",
     ),
     Check("V2 forward keywords", _v2_forward_keywords),
+    # patch/patch_v2_speculator.py (0.26): what our draft loop reads of vLLM's speculator.
+    Check("V2 draft loop interfaces", _v2_draft_loop_interfaces),
     Attributes("vllm.config:SpeculativeConfig", ("use_local_argmax_reduction",)),
     # patch/patch_v2_warmup.py: the worker's name for V2's warm-up, which we wrap, and the
     # request cap it sizes its batch by.

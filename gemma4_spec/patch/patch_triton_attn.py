@@ -24,8 +24,8 @@ derives logits indices from the query layout), vLLM versions other than
 ``compat.FLAT_VERIFY_VLLM``, and with ``GEMMA4_SPEC_FLAT_VERIFY=0``.
 
 Both model runners: each builds the step's metadata through ``build`` before it replays a full
-graph (V2 also for its speculator's draft prefill, which reuses the target's metadata), so the
-flattened buffers are written before every replay that reads them.
+graph (with ``GEMMA4_SPEC_V2_DRAFT_LOOP=0``, V2 also for vLLM's draft prefill, which reuses the
+target's metadata), so the flattened buffers are written before every replay that reads them.
 vLLM versions: 0.26 (the class and the fields rewritten exist in 0.26 - 0.33).
 """
 

@@ -32,6 +32,8 @@ PLUGIN_PROPOSER = "gemma4_spec.spec_decode.proposer.Gemma4Proposer"
 IN_TREE_PROPOSER = "vllm.v1.spec_decode.gemma4.Gemma4Proposer"
 # RunResult.draft_model_class when the drafter runs this plugin's assistant model (either runner).
 PLUGIN_DRAFT_MODEL = "gemma4_spec.models.gemma4_mtp.Gemma4AssistantForDrafting"
+# Model Runner V2's drafter where our draft loop is installed (patch/patch_v2_speculator.py).
+PLUGIN_V2_SPECULATOR = "gemma4_spec.spec_decode.runner_v2.Gemma4LoopSpeculator"
 # Engine arguments of the GPU engine tests: TRITON_ATTN runs on every CUDA GPU vLLM supports
 # (vLLM's own pick on an H200 may need extra packages); a fixed KV budget skips memory profiling.
 GPU_ENGINE_KWARGS: dict[str, Any] = {
@@ -110,6 +112,10 @@ class RunResult:
     draft_loop_replays: int = 0
     draft_loop_misses: int = 0
     draft_loop_rebuild_free: bool = False
+    # Model Runner V2 (spec_decode/runner_v2.py): proposals replayed from a draft-loop graph
+    # captured at start-up, and proposals run eagerly through the same loop.
+    v2_loop_replays: int = 0
+    v2_loop_eager: int = 0
     # Target attention builds whose verification batch ran as one-token sequences
     # (patch/patch_triton_attn.py), summed over the runner's attention builders.
     flat_verify_rewrites: int = 0
@@ -270,6 +276,8 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "draft_loop_replays": 0 if loops is None else loops.replays,
         "draft_loop_misses": 0 if loops is None else loops.misses,
         "draft_loop_rebuild_free": False if loops is None else loops.rebuild_free,
+        "v2_loop_replays": getattr(drafter, "loop_replays", 0),
+        "v2_loop_eager": getattr(drafter, "loop_eager", 0),
         "flat_verify_rewrites": sum(rewrites_of(builder) for builder in builders),
         "flat_verify_graph_replays": sum(flatten_replays_of(builder) for builder in builders),
         "verify_metadata_builds": 0 if verify_metadata is None else verify_metadata.builds,
