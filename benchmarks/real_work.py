@@ -71,7 +71,8 @@ PLAIN_ENV = {"VLLM_PLUGINS": "none"}  # plain decoding: vLLM alone
 VARIANTS: dict[str, dict[str, Any]] = {
     "in-tree": {"env": PLAIN_ENV, "spec": {}},
     # Ours on each runner: our proposer on V1; on V2 our draft loop (spec_decode/runner_v2.py)
-    # with our model and centroid argmax. With VLLM_USE_V2_MODEL_RUNNER unset ours runs on the plugin's default.
+    # with our model and centroid argmax. With VLLM_USE_V2_MODEL_RUNNER unset ours runs on
+    # the plugin's default.
     "ours-V1": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "spec": {}},
     "ours-V2": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "spec": {}},
     # Diagnostic, not run unless named in --variants: ours on V2 without the flat verification
