@@ -42,6 +42,9 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._init_loop_state()
+
+    def _init_loop_state(self) -> None:
         # The draft loop's inputs: vLLM's own buffers, which its graph manager captures with.
         self._staged = DraftStepBuffers(
             input_ids=self.input_buffers.input_ids,
