@@ -569,7 +569,7 @@ CONTRACTS: tuple[Contract, ...] = (
     Params("vllm.compilation.decorators:support_torch_compile", keywords=("dynamic_arg_dims",)),
     Exists("vllm.sequence:IntermediateTensors", "class"),
     Exists("vllm.distributed:get_tensor_model_parallel_world_size", "callable"),
-    # The experimental Model Runner V2 path: what vLLM's speculator asks of our model.
+    # Model Runner V2: what vLLM's speculator (and so our subclass) asks of our model.
     ModelCalls(
         V2_SPECULATOR,
         receiver="self.model",

@@ -2,7 +2,8 @@
 
 Wraps: the property ``vllm.config.vllm.VllmConfig.use_v2_model_runner``. Both of vLLM's GPU
 runners are supported: the V1 runner, where this plugin's ``Gemma4Proposer`` drafts, and Model
-Runner V2, where vLLM's ``Gemma4Speculator`` drafts with this plugin's assistant model and its
+Runner V2, where our subclass of vLLM's ``Gemma4Speculator`` (``spec_decode/runner_v2.py``; vLLM's
+own on versions it is not installed on) drafts with this plugin's assistant model and its
 ``get_top_tokens`` (the centroid argmax; ``patch_engine_args`` turns on
 ``use_local_argmax_reduction`` for greedy drafting). ``VLLM_USE_V2_MODEL_RUNNER`` decides when
 set, as everywhere in vLLM. When it is unset and the engine drafts with gemma4_mtp
