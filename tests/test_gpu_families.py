@@ -14,7 +14,8 @@ Skipped without CUDA (CI and the CPU machines); run on the GPU machine.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -74,40 +75,82 @@ def _on_runner(
     )
 
 
+IN_TREE = "in-tree"  # the run key of vLLM's own V1 path on 26B-A4B (test_in_tree_v1_on_26b)
+RunKey = tuple[str, str]  # (family, runner), or ("26b-a4b", IN_TREE)
+
+
 class _Runs:
     """Plain and ours on one family's pair and one runner, each (family, runner) in a process of
-    its own, run when a test first asks for it: an engine that fails at start-up on one shape
-    fails that shape's tests only (the others still give their verdict), and ``-k`` starts only
-    the engines the selected tests need."""
+    its own: an engine that fails at start-up on one shape fails that shape's tests only (the
+    others still give their verdict). The processes the selected tests need (``-k`` starts only
+    those) are all started at once, side by side on the GPU, when the first test asks."""
 
-    def __init__(self, pairs: dict[str, tuple[Path, Path]], prompts: list[list[int]]) -> None:
+    def __init__(
+        self, pairs: dict[str, tuple[Path, Path]], prompts: list[list[int]], wanted: list[RunKey]
+    ) -> None:
         self._pairs = pairs
         self._prompts = prompts
-        self._done: dict[tuple[str, str], tuple[RunResult, RunResult] | RuntimeError] = {}
+        self._wanted = wanted
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: dict[RunKey, Future[list[RunResult]]] = {}
+
+    def _start(self, key: RunKey) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(len(self._wanted), 1))
+            for wanted in self._wanted:
+                self._start(wanted)
+        if key in self._futures:
+            return
+        family, runner = key
+        target, assistant = self._pairs[family]
+        plugins = None
+        configs = [_config(target, self._prompts, None), _config(target, self._prompts, assistant)]
+        if runner == IN_TREE:  # vLLM's own path alone
+            configs, runner, plugins = configs[1:], "V1", "none"
+        self._futures[key] = self._pool.submit(_on_runner, runner, configs, plugins)
+
+    def results(self, key: RunKey) -> list[RunResult]:
+        """The run's results; raises the RuntimeError of a run that failed."""
+        self._start(key)
+        return self._futures[key].result()
 
     def of(self, family: str, runner: str) -> tuple[RunResult, RunResult]:
         """(plain, ours)."""
-        key = (family, runner)
-        if key not in self._done:
-            target, assistant = self._pairs[family]
-            configs = [
-                _config(target, self._prompts, None),
-                _config(target, self._prompts, assistant),
-            ]
-            try:
-                plain, ours = _on_runner(runner, configs)
-                self._done[key] = (plain, ours)
-            except RuntimeError as failure:  # kept: a second test asking fails the same way
-                self._done[key] = failure
-        done = self._done[key]
-        if isinstance(done, RuntimeError):
-            raise done
-        return done
+        plain, ours = self.results((family, runner))
+        return plain, ours
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+def _wanted_runs(items: list[pytest.Item]) -> list[RunKey]:
+    """The runs the selected tests of this module ask for, in their order."""
+    wanted: list[RunKey] = []
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ != __name__:
+            continue
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "family" in params:
+            keys = [(params["family"], params["runner"])]
+        elif getattr(item, "originalname", "") == "test_in_tree_v1_on_26b":
+            keys = [("26b-a4b", "V1"), ("26b-a4b", IN_TREE)]
+        else:
+            keys = []
+        wanted += [key for key in keys if key not in wanted]
+    return wanted
 
 
 @pytest.fixture(scope="module")
-def runs(pairs: dict[str, tuple[Path, Path]], prompts: list[list[int]]) -> _Runs:
-    return _Runs(pairs, prompts)
+def runs(
+    request: pytest.FixtureRequest,
+    pairs: dict[str, tuple[Path, Path]],
+    prompts: list[list[int]],
+) -> Iterator[_Runs]:
+    runs = _Runs(pairs, prompts, _wanted_runs(request.session.items))
+    yield runs
+    runs.close()
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
@@ -122,19 +165,13 @@ def test_greedy_output_equals_no_speculation(runs: _Runs, family: str, runner: s
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
-def test_in_tree_v1_on_26b(
-    pairs: dict[str, tuple[Path, Path]],
-    prompts: list[list[int]],
-    runs: _Runs,
-    report_figure: Callable[[str], None],
-) -> None:
+def test_in_tree_v1_on_26b(runs: _Runs, report_figure: Callable[[str], None]) -> None:
     # Ours on the V1 runner starts and is lossless on this pair (the test above); vLLM's own V1
     # path is run here for the record: whether it starts, and how it fails if it does not.
     plain, ours = runs.of("26b-a4b", "V1")
     assert ours.token_ids == plain.token_ids
-    target, assistant = pairs["26b-a4b"]
     try:
-        (in_tree,) = _on_runner("V1", [_config(target, prompts, assistant)], plugins="none")
+        (in_tree,) = runs.results(("26b-a4b", IN_TREE))
     except RuntimeError as failure:
         tail = str(failure).strip().splitlines()[-3:]
         report_figure(f"in-tree V1 on the tiny 26B-A4B shape did not start: {tail}")
