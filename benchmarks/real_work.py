@@ -87,6 +87,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_V2_DRAFT_LOOP": "0"},
         "spec": {},
     },
+    # V2's own rejection sampling for greedy batches (patch/patch_v2_rejection_sampler.py
+    # off): what our greedy verification earns (nothing with synthetic acceptance, which
+    # always takes vLLM's path).
+    "ours-V2-vllmverify": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_GREEDY_VERIFY": "0"},
+        "spec": {},
+    },
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):
     # what it changes in a first pass.
     "ours-V2-nowarm": {

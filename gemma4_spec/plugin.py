@@ -18,6 +18,7 @@ from gemma4_spec.patch import (
     patch_rejection_sampler,
     patch_top_k_only,
     patch_triton_attn,
+    patch_v2_rejection_sampler,
     patch_v2_speculator,
     patch_v2_warmup,
     patch_vllm_config,
@@ -61,3 +62,6 @@ def register() -> None:
     when_imported(patch_cpu_generators.RUNNER_MODULE, patch_cpu_generators.apply)
     when_imported(patch_v2_warmup.WORKER_MODULE, patch_v2_warmup.apply)
     when_imported(patch_v2_speculator.SPECULATOR_MODULE, patch_v2_speculator.apply)
+    when_imported(
+        patch_v2_rejection_sampler.V2_REJECTION_SAMPLER_MODULE, patch_v2_rejection_sampler.apply
+    )

@@ -95,6 +95,10 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     # The draft loop ran, decode steps replayed from the graphs captured at start-up (the
     # prompts' prefill steps, mixed batches included, are drafted as one-query steps too).
     assert ours.v2_loop_replays > 0
+    # Every batch is greedy and plain: verified without V2's rejection sampling
+    # (patch/patch_v2_rejection_sampler.py), through these equal tokens.
+    assert ours.greedy_verify_batches > 0
+    assert plain.greedy_verify_batches == 0
     # The target's verification attention ran as one-token sequences
     # (patch/patch_triton_attn.py), through these equal tokens.
     assert ours.flat_verify_rewrites > 0

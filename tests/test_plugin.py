@@ -32,6 +32,7 @@ from gemma4_spec.patch import (
     patch_rejection_sampler,
     patch_top_k_only,
     patch_triton_attn,
+    patch_v2_rejection_sampler,
     patch_v2_speculator,
     patch_v2_warmup,
     patch_vllm_config,
@@ -110,6 +111,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_cpu_generators.RUNNER_MODULE,
         patch_v2_warmup.WORKER_MODULE,
         patch_v2_speculator.SPECULATOR_MODULE,
+        patch_v2_rejection_sampler.V2_REJECTION_SAMPLER_MODULE,
     ]
     assert [cb for _, cb in fresh_plugin["when_imported"]] == [
         patch_engine_args.apply,
@@ -122,6 +124,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_cpu_generators.apply,
         patch_v2_warmup.apply,
         patch_v2_speculator.apply,
+        patch_v2_rejection_sampler.apply,
     ]
     entry = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
     assert f"{entry.module_name}:{entry.class_name}" == plugin.MODEL_CLASS

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import textwrap
 from collections.abc import Iterator
 
@@ -66,6 +67,8 @@ def _v2_forward_keywords() -> Iterator[str]:
 
 
 V2_LOOP = "gemma4_spec.spec_decode.runner_v2:Gemma4LoopSpeculator"
+# ``self.<name>_state`` / ``self.sampling_states`` reads in a method's source.
+_SELF_STATE = re.compile(r"self\.(\w+_states?)\b")
 
 
 def _v2_draft_loop_interfaces() -> Iterator[str]:
@@ -174,6 +177,84 @@ def _v2_draft_loop_interfaces() -> Iterator[str]:
     )
     for contract in checks:  # Overrides also checks propose's signature against vLLM's
         yield from contract.problems()
+
+
+def _v2_greedy_verify_interfaces() -> Iterator[str]:
+    """What ``patch/patch_v2_rejection_sampler.py`` reads of vLLM, on the versions it is
+    installed on (``compat.V2_GREEDY_VERIFY_VLLM``)."""
+    from gemma4_spec.compat import v2_greedy_verify_supported
+
+    if not v2_greedy_verify_supported():
+        return
+    module = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+    sample = "vllm.v1.worker.gpu.sample"
+    checks: tuple[Contract, ...] = (
+        Params(f"{module}:RejectionSampler", positional=("sampler", "spec_config", "device")),
+        Params(
+            f"{module}:RejectionSampler.__call__",
+            positional=("logits", "input_batch", "draft_logits"),
+        ),
+        Attributes(
+            f"{module}:RejectionSampler",
+            (
+                "sampler",
+                "num_speculative_steps",
+                "synthetic_conditional_rates",
+                "use_block_verification",
+            ),
+        ),  # fmt: skip
+        Exists(f"{module}:get_num_nans", "callable"),
+        Params(
+            f"{module}:get_num_sampled_and_rejected",
+            positional=("num_sampled", "seq_lens", "cu_num_logits", "idx_mapping", "prefill_len"),
+        ),
+        Params(
+            f"{module}:SamplerOutput",
+            keywords=(
+                "sampled_token_ids",
+                "logprobs_tensors",
+                "num_nans",
+                "num_sampled",
+                "num_rejected",
+            ),
+        ),  # fmt: skip
+        Attributes(
+            f"{sample}.sampler:Sampler",
+            (
+                "sampling_states",
+                "logit_bias_state",
+                "penalties_state",
+                "bad_words_state",
+                "compute_nans",
+                "req_states",
+            ),
+        ),  # fmt: skip
+        Attributes(f"{sample}.states:SamplingStates", ("temperature", "max_num_logprobs")),
+        Exists(f"{sample}.states:NO_LOGPROBS"),
+        Attributes(f"{sample}.logit_bias:LogitBiasState", ("use_logit_bias",)),
+        Attributes(f"{sample}.penalties:PenaltiesState", ("use_penalty",)),
+        Attributes(f"{sample}.bad_words:BadWordsState", ("num_bad_words",)),
+        Attributes(
+            "vllm.v1.worker.gpu.input_batch:InputBatch",
+            (
+                "idx_mapping_np",
+                "input_ids",
+                "logits_indices",
+                "cu_num_logits",
+                "seq_lens",
+                "idx_mapping",
+            ),
+        ),  # fmt: skip
+        Attributes("vllm.config:SpeculativeConfig", ("use_gemma4_mtp",)),
+    )
+    for contract in checks:
+        yield from contract.problems()
+    # Every state vLLM's apply_sampling_params reads is one the gate checks or one that keeps
+    # an argmax (temperature, min_p, top_k / top_p): a new one must be looked at.
+    source = inspect.getsource(resolve(f"{sample}.sampler:Sampler.apply_sampling_params"))
+    known = {"logit_bias_state", "penalties_state", "bad_words_state", "sampling_states"}
+    for name in sorted(set(_SELF_STATE.findall(source)) - known):
+        yield f"apply_sampling_params reads self.{name}, which the V2 greedy gate does not know"
 
 
 def _assistant_config_override() -> Iterator[str]:
@@ -587,6 +668,8 @@ CONTRACTS: tuple[Contract, ...] = (
     Check("V2 forward keywords", _v2_forward_keywords),
     # patch/patch_v2_speculator.py (0.26): what our draft loop reads of vLLM's speculator.
     Check("V2 draft loop interfaces", _v2_draft_loop_interfaces),
+    # patch/patch_v2_rejection_sampler.py (0.26): what its gate and fast path read.
+    Check("V2 greedy verification interfaces", _v2_greedy_verify_interfaces),
     Attributes("vllm.config:SpeculativeConfig", ("use_local_argmax_reduction",)),
     # patch/patch_v2_warmup.py: the worker's name for V2's warm-up, which we wrap, and the
     # request cap it sizes its batch by.

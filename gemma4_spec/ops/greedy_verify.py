@@ -14,6 +14,14 @@ all-greedy batch with nothing that changes the logits (``patch/patch_rejection_s
 checks that).
 
 ``greedy_verify`` is the same in one Triton launch on CUDA (the reference elsewhere).
+
+``greedy_verify_rows_reference`` defines the same for Model Runner V2's layout, where request
+``i`` owns logits rows ``cu_num_logits[i]`` to ``cu_num_logits[i + 1] - 1`` and the draft that
+row ``r`` scores (every row of a request but its last) is the token fed at row ``r + 1``'s
+position, ``input_ids[logits_indices[r + 1]]``. It outputs ``[R, width]`` int64 (``-1`` after
+each request's last token) and each request's token count ``[R]`` int32, as V2's rejection
+sampler does for an all-greedy batch (``patch/patch_v2_rejection_sampler.py`` checks that);
+``greedy_verify_rows`` is one Triton launch.
 """
 
 from __future__ import annotations
@@ -70,7 +78,71 @@ def greedy_verify(
     return out
 
 
+def greedy_verify_rows_reference(
+    best: torch.Tensor,
+    input_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``best`` [rows] the target's token per logits row; the drafts are read from
+    ``input_ids`` at ``logits_indices``: (tokens ``[R, width]``, counts ``[R]``)."""
+    cu, best_list = cu_num_logits.tolist(), best.tolist()
+    where, ids = logits_indices.tolist(), input_ids.tolist()
+    num_reqs = len(cu) - 1
+    out = torch.full((num_reqs, width), NO_TOKEN, dtype=torch.int64)
+    counts = torch.zeros(num_reqs, dtype=torch.int32)
+    for i in range(num_reqs):
+        start, rows = cu[i], cu[i + 1] - cu[i]
+        for j in range(rows):
+            out[i, j] = best_list[start + j]
+            counts[i] = j + 1
+            if j == rows - 1 or ids[where[start + j + 1]] != best_list[start + j]:
+                break
+    return out.to(best.device), counts.to(best.device)
+
+
+def greedy_verify_rows(
+    best: torch.Tensor,
+    input_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``greedy_verify_rows_reference``, in one launch where Triton runs."""
+    if not triton_usable(best.device):
+        return greedy_verify_rows_reference(best, input_ids, logits_indices, cu_num_logits, width)
+    num_reqs = cu_num_logits.shape[0] - 1
+    out = torch.empty((num_reqs, width), dtype=torch.int64, device=best.device)
+    counts = torch.empty(num_reqs, dtype=torch.int32, device=best.device)
+    _verify_rows_kernel[(num_reqs,)](
+        best, input_ids, logits_indices, cu_num_logits, out, counts, width,
+        BLOCK=triton.next_power_of_2(width),
+    )  # fmt: skip
+    return out, counts
+
+
 if HAS_TRITON:
+
+    @triton.jit
+    def _verify_rows_kernel(
+        best_ptr, ids_ptr, where_ptr, cu_ptr, out_ptr, counts_ptr, width, BLOCK: tl.constexpr
+    ):  # fmt: skip
+        """Program i: request i's tokens and their count."""
+        i = tl.program_id(0)
+        start = tl.load(cu_ptr + i)
+        rows = tl.load(cu_ptr + i + 1) - start
+        j = tl.arange(0, BLOCK)
+        token = tl.load(best_ptr + start + j, mask=j < rows, other=-1)
+        scores_draft = j < rows - 1
+        at = tl.load(where_ptr + start + 1 + j, mask=scores_draft, other=0)
+        draft = tl.load(ids_ptr + at, mask=scores_draft, other=-1)
+        # Rows 0..m are kept, m = the first row whose draft differs (or the last row).
+        miss = scores_draft & (draft != token)
+        first_miss = tl.min(tl.where(miss, j, rows - 1), axis=0)
+        keep = j <= first_miss
+        tl.store(out_ptr + i * width + j, tl.where(keep, token, -1), mask=j < width)
+        tl.store(counts_ptr + i, first_miss + 1)
 
     @triton.jit
     def _verify_kernel(best_ptr, drafts_ptr, cu_drafts_ptr, out_ptr, width, BLOCK: tl.constexpr):

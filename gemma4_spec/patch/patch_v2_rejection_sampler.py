@@ -1,0 +1,113 @@
+"""Verify all-greedy batches on Model Runner V2 with one argmax and one small kernel.
+
+For every batch, greedy or not, V2's ``RejectionSampler.__call__`` gathers the drafts and
+positions, applies the sampling parameters, and runs its general rejection sampling: per-block
+logits statistics over the whole vocabulary, the acceptance kernel, a resampling kernel (for a
+greedy request, the argmax again) and a kernel that inserts its tokens, with seven buffers
+allocated on the way. For an all-greedy batch where nothing changes the logits
+(``greedy_verify_applies``), the result is each row's argmax compared with the drafts: one
+argmax over all rows and one launch (``ops/greedy_verify.greedy_verify_rows``) give the same
+tokens and counts; vLLM's own ``get_num_sampled_and_rejected`` then corrects them for prompt
+chunks, as vLLM's path does.
+
+Wraps: ``vllm.v1.worker.gpu.spec_decode.rejection_sampler.RejectionSampler.__init__`` (a
+sampler built for a gemma4_mtp engine carries a ``GreedyVerifyStats``, unless
+``GEMMA4_SPEC_GREEDY_VERIFY=0``) and ``__call__`` (samplers carrying one take the new path for
+the batches the gate lets through; everything else runs vLLM's method as it is). vLLM versions:
+``compat.V2_GREEDY_VERIFY_VLLM`` (0.26, whose sampler states the gate reads).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from gemma4_spec.compat import v2_greedy_verify_supported
+from gemma4_spec.patch.hooks import is_ours, ours
+from gemma4_spec.patch.patch_rejection_sampler import (
+    GREEDY_VERIFY_ATTR,
+    GREEDY_VERIFY_ENV,
+    GreedyVerifyStats,
+)
+from gemma4_spec.switches import turned_off
+
+V2_REJECTION_SAMPLER_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+
+
+def greedy_verify_applies(rejection_sampler: Any, input_batch: Any, draft_logits: Any) -> bool:
+    """Whether V2's rejection sampling would keep exactly the drafts that equal the argmax of
+    the logits it is given, and add the argmax after them: greedy requests (temperature 0),
+    drafts without distributions, no synthetic acceptance or block verification, and nothing
+    that changes the logits or asks for logprobs. min_p, top_k and top_p only mask tokens below
+    the best one: they never change an argmax."""
+    from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
+
+    rs = rejection_sampler
+    if draft_logits is not None or rs.synthetic_conditional_rates is not None:
+        return False
+    if rs.use_block_verification:
+        return False
+    sampler = rs.sampler
+    idx = input_batch.idx_mapping_np
+    states = sampler.sampling_states
+    return bool(
+        np.all(states.temperature.np[idx] == 0.0)
+        and states.max_num_logprobs(idx) == NO_LOGPROBS
+        and not np.any(sampler.logit_bias_state.use_logit_bias[idx])
+        and not np.any(sampler.penalties_state.use_penalty[idx])
+        and int(sampler.bad_words_state.num_bad_words.np[idx].max()) == 0
+    )
+
+
+def apply(module: ModuleType) -> None:
+    sampler_class = getattr(module, "RejectionSampler", None)
+    if sampler_class is None or is_ours(sampler_class.__call__):
+        return
+    if not v2_greedy_verify_supported():
+        return
+    from gemma4_spec.ops.greedy_verify import greedy_verify_rows
+
+    vllms_init = sampler_class.__init__
+    vllms_call = sampler_class.__call__
+
+    @functools.wraps(vllms_init)
+    def __init__(self: Any, sampler: Any, spec_config: Any, *args: Any, **kwargs: Any) -> None:
+        vllms_init(self, sampler, spec_config, *args, **kwargs)
+        check = getattr(spec_config, "use_gemma4_mtp", None)
+        if callable(check) and check() and not turned_off(GREEDY_VERIFY_ENV):
+            setattr(self, GREEDY_VERIFY_ATTR, GreedyVerifyStats())
+
+    @functools.wraps(vllms_call)
+    def __call__(self: Any, logits: Any, input_batch: Any, draft_logits: Any = None) -> Any:
+        stats = getattr(self, GREEDY_VERIFY_ATTR, None)
+        if stats is None or not greedy_verify_applies(self, input_batch, draft_logits):
+            return vllms_call(self, logits, input_batch, draft_logits)
+        stats.batches += 1
+        num_nans = module.get_num_nans(logits) if self.sampler.compute_nans else None
+        sampled, num_sampled = greedy_verify_rows(
+            logits.argmax(dim=-1),
+            input_batch.input_ids,
+            input_batch.logits_indices,
+            input_batch.cu_num_logits,
+            self.num_speculative_steps + 1,
+        )
+        num_sampled, num_rejected = module.get_num_sampled_and_rejected(
+            num_sampled,
+            input_batch.seq_lens,
+            input_batch.cu_num_logits,
+            input_batch.idx_mapping,
+            self.sampler.req_states.prefill_len.gpu,
+        )
+        return module.SamplerOutput(
+            sampled_token_ids=sampled,
+            logprobs_tensors=None,
+            num_nans=num_nans,
+            num_sampled=num_sampled,
+            num_rejected=num_rejected,
+        )
+
+    sampler_class.__init__ = ours(__init__)
+    sampler_class.__call__ = ours(__call__)

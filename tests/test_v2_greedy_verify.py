@@ -1,0 +1,243 @@
+"""Greedy verification on Model Runner V2: ``ops/greedy_verify.greedy_verify_rows`` (its
+reference against a hand-worked step, the kernel against the reference on CUDA or under
+Triton's interpreter), the gate of ``patch/patch_v2_rejection_sampler.py`` against each thing
+that must send a batch to vLLM's path, and the wrapped sampler on stand-ins for vLLM's module
+(the GPU engine test runs it in an engine)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
+from gemma4_spec.ops.greedy_verify import greedy_verify_rows, greedy_verify_rows_reference
+from gemma4_spec.patch import patch_v2_rejection_sampler as patch
+from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR, GREEDY_VERIFY_ENV
+
+
+def _i32(*values: int) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def test_reference_hand_worked() -> None:
+    # Request 0: 3 drafts (rows 0-3), all accepted, so the bonus row's token follows them.
+    # Request 1: 3 drafts (rows 4-7), the second rejected: its row's token corrects it.
+    # Request 2: a prompt chunk, one row and no draft.
+    best = torch.tensor([11, 12, 13, 14, 21, 22, 23, 24, 31])
+    # Tokens fed at each position; logits_indices picks each row's position.
+    input_ids = torch.tensor([0, 99, 11, 12, 13, 98, 21, 55, 23, 97, 30], dtype=torch.int32)
+    logits_indices = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8, 10])
+    got, counts = greedy_verify_rows_reference(
+        best, input_ids, logits_indices, _i32(0, 4, 8, 9), width=4
+    )
+    assert got.tolist() == [[11, 12, 13, 14], [21, 22, -1, -1], [31, -1, -1, -1]]
+    assert counts.tolist() == [4, 2, 1]
+    assert got.dtype == torch.int64 and counts.dtype == torch.int32
+
+
+def _random_batch(seed: int, device: str, max_rows: int = 5) -> tuple[torch.Tensor, ...]:
+    """Requests of 1 to ``max_rows`` rows, drafts matching the best token with probability
+    0.7."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs = int(torch.randint(1, 40, (1,), generator=gen))
+    rows = torch.randint(1, max_rows + 1, (num_reqs,), generator=gen)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), rows.cumsum(0)]).to(torch.int32)
+    n = int(cu[-1])
+    best = torch.randint(0, 50, (n,), generator=gen)
+    logits_indices = torch.randperm(3 * n, generator=gen)[:n].sort().values
+    input_ids = torch.randint(0, 50, (3 * n,), generator=gen, dtype=torch.int32)
+    for r in range(n - 1):  # the draft row r scores sits at row r + 1's position
+        if torch.rand(1, generator=gen).item() < 0.7:
+            input_ids[logits_indices[r + 1]] = int(best[r])
+    return tuple(t.to(device) for t in (best, input_ids, logits_indices, cu))
+
+
+def _check_kernel_against_reference(device: str) -> None:
+    for seed in range(20):
+        best, input_ids, logits_indices, cu = _random_batch(seed, device)
+        got = greedy_verify_rows(best, input_ids, logits_indices, cu, 5)
+        want = greedy_verify_rows_reference(best, input_ids, logits_indices, cu, 5)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+
+
+def test_torch_fallback_is_the_reference() -> None:
+    _check_kernel_against_reference("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_matches_reference_cuda() -> None:
+    _check_kernel_against_reference("cuda")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA test covers it)")
+def test_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
+    check_under_interpreter("test_v2_greedy_verify", "_check_kernel_against_reference")
+
+
+# --- the gate ---------------------------------------------------------------------------------
+
+STATES = 8
+
+
+def _sampler(**changes: Any) -> Any:
+    """Stand-ins for V2's sampler states, every request greedy and plain unless changed."""
+    temperature = np.zeros(STATES, dtype=np.float32)
+    logprobs = np.full(STATES, -1, dtype=np.int32)  # vLLM's NO_LOGPROBS
+    for req, value in changes.get("temperature", {}).items():
+        temperature[req] = value
+    for req, value in changes.get("logprobs", {}).items():
+        logprobs[req] = value
+    use_bias = np.zeros(STATES, dtype=bool)
+    use_penalty = np.zeros(STATES, dtype=bool)
+    bad_words = np.zeros(STATES, dtype=np.int32)
+    for req in changes.get("bias", ()):
+        use_bias[req] = True
+    for req in changes.get("penalty", ()):
+        use_penalty[req] = True
+    for req in changes.get("bad_words", ()):
+        bad_words[req] = 2
+    return SimpleNamespace(
+        sampling_states=SimpleNamespace(
+            temperature=SimpleNamespace(np=temperature),
+            max_num_logprobs=lambda idx: int(np.max(logprobs[idx])),
+        ),
+        logit_bias_state=SimpleNamespace(use_logit_bias=use_bias),
+        penalties_state=SimpleNamespace(use_penalty=use_penalty),
+        bad_words_state=SimpleNamespace(num_bad_words=SimpleNamespace(np=bad_words)),
+        compute_nans=False,
+        req_states=SimpleNamespace(prefill_len=SimpleNamespace(gpu=None)),
+    )
+
+
+def _rejection_sampler(sampler: Any, synthetic: bool = False, block: bool = False) -> Any:
+    return SimpleNamespace(
+        sampler=sampler,
+        synthetic_conditional_rates=torch.ones(3) if synthetic else None,
+        use_block_verification=block,
+        num_speculative_steps=3,
+    )
+
+
+BATCH = SimpleNamespace(idx_mapping_np=np.array([4, 1, 6]))
+
+
+@pytest.mark.parametrize(
+    ("changes", "rejection", "draft_logits", "applies"),
+    [
+        ({}, {}, None, True),
+        ({"temperature": {6: 0.7}}, {}, None, False),  # one sampled request
+        ({"temperature": {3: 0.7}}, {}, None, True),  # a request outside the batch
+        ({"logprobs": {1: 5}}, {}, None, False),
+        ({"bias": [4]}, {}, None, False),  # logit bias, allowed tokens, min_tokens
+        ({"penalty": [1]}, {}, None, False),
+        ({"bad_words": [6]}, {}, None, False),
+        ({}, {"synthetic": True}, None, False),  # acceptance drawn, not compared
+        ({}, {"block": True}, None, False),
+        ({}, {}, torch.zeros(1), False),  # drafts with distributions
+    ],
+)
+def test_gate_sends_what_it_cannot_reproduce_to_vllm(
+    changes: dict[str, Any], rejection: dict[str, bool], draft_logits: Any, applies: bool
+) -> None:
+    rs = _rejection_sampler(_sampler(**changes), **rejection)
+    assert patch.greedy_verify_applies(rs, BATCH, draft_logits) is applies
+
+
+# --- the wrapped sampler ----------------------------------------------------------------------
+
+
+@dataclass
+class _Output:
+    sampled_token_ids: Any
+    logprobs_tensors: Any
+    num_nans: Any
+    num_sampled: Any
+    num_rejected: Any
+
+
+def _vllm_module() -> ModuleType:
+    class RejectionSampler:
+        def __init__(self, sampler: Any, spec_config: Any, device: Any) -> None:
+            self.sampler = sampler
+            self.num_speculative_steps = spec_config.num_speculative_tokens
+            self.synthetic_conditional_rates = None
+            self.use_block_verification = False
+
+        def __call__(self, logits: Any, input_batch: Any, draft_logits: Any = None) -> Any:
+            return "vllm's"
+
+    module = ModuleType("fake_v2_rejection_sampler")
+    module.RejectionSampler = RejectionSampler  # type: ignore[attr-defined]
+    module.SamplerOutput = _Output  # type: ignore[attr-defined]
+    module.get_num_nans = lambda logits: None  # type: ignore[attr-defined]
+    # vLLM's correction for prompt chunks; here nothing to correct.
+    module.get_num_sampled_and_rejected = lambda n, *a: (n, torch.zeros_like(n))  # type: ignore[attr-defined]
+    return module
+
+
+def _spec_config(gemma4_mtp: bool) -> Any:
+    return SimpleNamespace(num_speculative_tokens=3, use_gemma4_mtp=lambda: gemma4_mtp)
+
+
+def _batch() -> Any:
+    best, input_ids, logits_indices, cu = _random_batch(3, "cpu", max_rows=4)
+    num_reqs = cu.shape[0] - 1
+    logits = torch.full((best.shape[0], 50), -1.0)
+    logits[torch.arange(best.shape[0]), best] = 2.0
+    batch = SimpleNamespace(
+        idx_mapping_np=np.arange(num_reqs) % STATES,
+        input_ids=input_ids,
+        logits_indices=logits_indices,
+        cu_num_logits=cu,
+        seq_lens=None,
+        idx_mapping=None,
+    )
+    return logits, batch, greedy_verify_rows_reference(best, input_ids, logits_indices, cu, 4)
+
+
+@pytest.mark.parametrize(
+    ("gemma4_mtp", "env", "ours"), [(True, None, True), (True, "0", False), (False, None, False)]
+)
+def test_wrapped_sampler_verifies_greedy_gemma4_batches_itself(
+    monkeypatch: pytest.MonkeyPatch, gemma4_mtp: bool, env: str | None, ours: bool
+) -> None:
+    if env is None:
+        monkeypatch.delenv(GREEDY_VERIFY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(GREEDY_VERIFY_ENV, env)
+    monkeypatch.setattr(patch, "v2_greedy_verify_supported", lambda: True)
+    module = _vllm_module()
+    patch.apply(module)
+    patch.apply(module)  # idempotent
+    rs = module.RejectionSampler(_sampler(), _spec_config(gemma4_mtp), "cpu")  # type: ignore[attr-defined]
+    logits, batch, (want, want_counts) = _batch()
+    out = rs(logits, batch, None)
+    if not ours:
+        assert out == "vllm's" and getattr(rs, GREEDY_VERIFY_ATTR, None) is None
+        return
+    assert torch.equal(out.sampled_token_ids, want)
+    assert torch.equal(out.num_sampled, want_counts)
+    assert out.logprobs_tensors is None
+    assert getattr(rs, GREEDY_VERIFY_ATTR).batches == 1
+    rs.sampler = _sampler(temperature={0: 1.0})  # a sampled request: vLLM's path
+    assert rs(logits, batch, None) == "vllm's"
+
+
+def test_not_installed_where_the_gate_was_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    from packaging.version import Version
+
+    from gemma4_spec.compat import v2_greedy_verify_supported
+
+    assert v2_greedy_verify_supported(Version("0.26.0"))
+    assert not v2_greedy_verify_supported(Version("0.32.0"))
+    monkeypatch.setattr(patch, "v2_greedy_verify_supported", lambda: False)
+    module = _vllm_module()
+    vllms = module.RejectionSampler.__call__  # type: ignore[attr-defined]
+    patch.apply(module)
+    assert module.RejectionSampler.__call__ is vllms  # type: ignore[attr-defined]
