@@ -180,11 +180,15 @@ def test_graph_replay_drafts_the_same_with_padding_rows_keyless() -> None:
     assert spec.built == []  # the graph holds its metadata
 
 
-def test_data_parallel_engines_keep_vllms_propose(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
+def test_data_parallel_engines_keep_vllms_propose_and_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
     base = Gemma4LoopSpeculator.__mro__[1]
-    monkeypatch.setattr(base, "propose", lambda self, *a, **kw: calls.append(len(a)) or "vllm's")
-    spec = _Speculator(3, dp_size=2)
+    monkeypatch.setattr(base, "propose", lambda self, *a, **kw: calls.append("propose") or "vllm's")
+    monkeypatch.setattr(base, "capture", lambda self: calls.append("capture"))
+    spec = _Speculator(3, manager=_Manager(lambda: spec, size=4), dp_size=2)
+    spec.capture()  # vLLM's graphs, not draft-loop graphs its propose would misread
     batch, inputs = _verified_batch()
-    assert _propose(spec, batch, inputs) == "vllm's"  # type: ignore[comparison-overlap]
-    assert calls == [11] and spec.loop_eager == spec.loop_replays == 0
+    assert _propose(spec, batch, inputs) == "vllm's"
+    assert calls == ["capture", "propose"] and spec.loop_eager == spec.loop_replays == 0

@@ -81,7 +81,11 @@ def _v2_draft_loop_interfaces() -> Iterator[str]:
     base = "vllm.v1.worker.gpu.spec_decode.autoregressive.speculator:AutoRegressiveSpeculator"
     manager = "vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager"
     checks: tuple[Contract, ...] = (
-        Overrides(V2_LOOP, V2_SPECULATOR, own=("_dispatch", "_draft_loop", "_init_loop_state")),
+        Overrides(
+            V2_LOOP,
+            V2_SPECULATOR,
+            own=("_dispatch", "_draft_loop", "_init_loop_state", "_vllms_propose"),
+        ),
         Attributes(
             V2_SPECULATOR,
             (

@@ -58,7 +58,11 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
 
     def capture(self) -> None:
         """One graph of the whole draft loop per one-query batch size vLLM captures (its
-        draft-prefill graphs are not needed: nothing drafts from them)."""
+        draft-prefill graphs are not needed: nothing drafts from them). Where vLLM's
+        ``propose`` drafts instead, its own graphs."""
+        if self._vllms_propose():
+            super().capture()
+            return
         manager = self.decode_cudagraph_manager
         if manager is None or not manager.needs_capture():
             return
@@ -92,7 +96,7 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
         is_profile: bool = False,
     ) -> torch.Tensor:
-        if self.dp_size > 1 or aux_hidden_states or self.supports_mm_inputs:
+        if self._vllms_propose() or aux_hidden_states:
             return super().propose(
                 input_batch,
                 attn_metadata,
@@ -147,6 +151,11 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
             self._draft_loop(num_reqs, num_reqs, attn, None, None)
             self.loop_eager += 1
         return self.draft_tokens[:num_reqs]
+
+    def _vllms_propose(self) -> bool:
+        """Engines vLLM's ``propose`` drafts for: data parallelism (its graph sizes are
+        synchronised across ranks) and multimodal draft inputs."""
+        return self.dp_size > 1 or bool(self.supports_mm_inputs)
 
     def _dispatch(self, num_reqs: int, need_eager: bool) -> BatchExecutionDescriptor:
         manager = self.decode_cudagraph_manager
