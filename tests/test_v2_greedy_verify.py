@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
-from gemma4_spec.ops.greedy_verify import greedy_verify_rows, greedy_verify_rows_reference
+from gemma4_spec.ops.greedy_verify import (
+    compile_greedy_verify_rows,
+    greedy_verify_rows,
+    greedy_verify_rows_reference,
+)
 from gemma4_spec.patch import patch_v2_rejection_sampler as patch
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR, GREEDY_VERIFY_ENV
 
@@ -58,6 +62,7 @@ def _random_batch(seed: int, device: str, max_rows: int = 5) -> tuple[torch.Tens
 
 
 def _check_kernel_against_reference(device: str) -> None:
+    compile_greedy_verify_rows(torch.device(device), 5)  # runs where the kernel does
     for seed in range(20):
         best, input_ids, logits_indices, cu = _random_batch(seed, device)
         got = greedy_verify_rows(best, input_ids, logits_indices, cu, 5)

@@ -122,6 +122,18 @@ def greedy_verify_rows(
     return out, counts
 
 
+def compile_greedy_verify_rows(device: torch.device, width: int) -> None:
+    """Compiles ``greedy_verify_rows``' kernel for the argument types Model Runner V2 passes
+    (int64 argmax and logits indices, int32 input ids and offsets), so that an engine's first
+    greedy request does not (vLLM's start-up warm-up samples, and never takes this path)."""
+    if not triton_usable(device):
+        return
+    rows = torch.zeros(1, dtype=torch.int64, device=device)
+    offsets = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    ids = torch.zeros(2, dtype=torch.int32, device=device)
+    greedy_verify_rows(rows, ids, rows, offsets, width)
+
+
 if HAS_TRITON:
 
     @triton.jit

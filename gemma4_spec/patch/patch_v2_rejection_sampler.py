@@ -12,7 +12,8 @@ chunks, as vLLM's path does.
 
 Wraps: ``vllm.v1.worker.gpu.spec_decode.rejection_sampler.RejectionSampler.__init__`` (a
 sampler built for a gemma4_mtp engine carries a ``GreedyVerifyStats``, unless
-``GEMMA4_SPEC_GREEDY_VERIFY=0``) and ``__call__`` (samplers carrying one take the new path for
+``GEMMA4_SPEC_GREEDY_VERIFY=0``, and compiles the kernel then, since vLLM's warm-up samples
+and never takes this path) and ``__call__`` (samplers carrying one take the new path for
 the batches the gate lets through; everything else runs vLLM's method as it is). vLLM versions:
 ``compat.V2_GREEDY_VERIFY_VLLM`` (0.26, whose sampler states the gate reads).
 """
@@ -24,6 +25,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
+import torch
 
 from gemma4_spec.compat import v2_greedy_verify_supported
 from gemma4_spec.patch.hooks import is_ours, ours
@@ -68,17 +70,20 @@ def apply(module: ModuleType) -> None:
         return
     if not v2_greedy_verify_supported():
         return
-    from gemma4_spec.ops.greedy_verify import greedy_verify_rows
+    from gemma4_spec.ops.greedy_verify import compile_greedy_verify_rows, greedy_verify_rows
 
     vllms_init = sampler_class.__init__
     vllms_call = sampler_class.__call__
 
     @functools.wraps(vllms_init)
-    def __init__(self: Any, sampler: Any, spec_config: Any, *args: Any, **kwargs: Any) -> None:
-        vllms_init(self, sampler, spec_config, *args, **kwargs)
+    def __init__(
+        self: Any, sampler: Any, spec_config: Any, device: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        vllms_init(self, sampler, spec_config, device, *args, **kwargs)
         check = getattr(spec_config, "use_gemma4_mtp", None)
         if callable(check) and check() and not turned_off(GREEDY_VERIFY_ENV):
             setattr(self, GREEDY_VERIFY_ATTR, GreedyVerifyStats())
+            compile_greedy_verify_rows(torch.device(device), self.num_speculative_steps + 1)
 
     @functools.wraps(vllms_call)
     def __call__(self: Any, logits: Any, input_batch: Any, draft_logits: Any = None) -> Any:
