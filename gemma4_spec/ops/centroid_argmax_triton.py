@@ -905,7 +905,7 @@ def _compiled_programs_per_sm(kernel: object, limits: SmLimits) -> int:
         init()  # loads the module: fills n_regs (and the driver's function handle)
     meta = getattr(kernel, "metadata", None)
     n_regs = getattr(kernel, "n_regs", None)
-    shared = getattr(meta, "shared", None)
+    shared = getattr(meta, "shared", None)  # Triton's field: shared-memory bytes per program
     num_warps = getattr(meta, "num_warps", None)
     if not (isinstance(n_regs, int) and isinstance(shared, int) and isinstance(num_warps, int)):
         raise AttributeError("no n_regs / metadata.shared / metadata.num_warps")
