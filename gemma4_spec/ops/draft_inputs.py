@@ -195,6 +195,8 @@ def stage_runner_v2_inputs(
         raise ValueError("Model Runner V2 keeps its block tables: stage none")
     if query_start_loc.shape[0] < size + 1:
         raise ValueError(f"query_start_loc holds {query_start_loc.shape[0]} of {size + 1} entries")
+    # The kernel's V2 mode reads two fields differently (its docstring says how): the rows and
+    # tokens are derived in the kernel from the step's query_start_loc and per-state tokens.
     sources = DraftStepSources(
         next_token_ids=step.last_sampled,
         positions=step.positions,
