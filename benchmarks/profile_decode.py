@@ -48,6 +48,12 @@ def main() -> None:
         action="store_true",
         help="also count CUDA-graph replays per output token by the code that replays them",
     )
+    parser.add_argument(
+        "--py-profile",
+        action="store_true",
+        help="also profile the Python side with cProfile (engine core in this process): the "
+        "functions with the most time per output token, own and cumulative",
+    )
     args = parser.parse_args()
     real_work.enter_variant(args.variant)  # before the draft-argmax choice imports vLLM
     os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # the runner's scopes
@@ -120,6 +126,8 @@ def _profile_batch(llm: Any, prompts: list[Any], args: argparse.Namespace, batch
 
     if args.graph_census:
         _print_graph_census(run, args.tokens)
+    if args.py_profile:
+        _print_python_profile(run, args.tokens, args.rows)
     # Per output token: a run of 1 + N tokens minus a run of 1 (the prefill), divided by N.
     base = _totals(profiled(1).key_averages())
     prof = profiled(1 + args.tokens)
@@ -173,6 +181,44 @@ def _print_graph_census(run: Any, tokens: int) -> None:
     print("CUDA-graph replays per output token, by caller:")
     for where in sorted(full, key=lambda w: -(full[w] - base[w])):
         print(f"  {(full[where] - base[where]) / tokens:6.2f}  {where}")
+
+
+def _print_python_profile(run: Any, tokens: int, rows: int) -> None:
+    """cProfile of a run of 1 + N tokens minus a run of 1, over N: per output token of a
+    request, the Python functions (vLLM's, ours, torch's wrappers) with the most own time and
+    the most cumulative time. Shows which host code a variant adds or saves, step for step."""
+    import cProfile
+    import pstats
+
+    def profiled(n: int) -> dict[Any, tuple[float, float, float]]:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            run(n)
+        finally:
+            profiler.disable()
+        stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+        return {func: (float(nc), tt, ct) for func, (_, nc, tt, ct, _) in stats.items()}
+
+    base, full = profiled(1), profiled(1 + tokens)
+    per_token = {
+        func: tuple((a - b) / tokens for a, b in zip(row, base.get(func, (0.0,) * 3), strict=True))
+        for func, row in full.items()
+    }
+
+    def label(func: tuple[str, int, str]) -> str:
+        path, line, name = func
+        return f"{'/'.join(path.rsplit('/', 3)[-3:])}:{line}({name})"
+
+    for column, what in ((1, "own"), (2, "cumulative")):
+        print(f"Python functions by {what} time per output token (cProfile slows every call):")
+        ranked = sorted(per_token.items(), key=lambda kv: -kv[1][column])[:rows]
+        for func, (calls, own, cumulative) in ranked:
+            print(
+                f"  {own * 1e6:8.1f} us own {cumulative * 1e6:9.1f} us cum "
+                f"{calls:6.2f} calls  {label(func)}"
+            )
+    print(flush=True)
 
 
 def _totals(table: Any) -> dict[str, tuple[float, float, float, float, float]]:
