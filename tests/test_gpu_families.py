@@ -25,6 +25,7 @@ from gemma4_spec.testing.engine_run import (
     PLUGIN_DRAFT_MODEL,
     RunConfig,
     RunResult,
+    error_lines,
     generate_in_subprocess,
     gpu_run_fields,
 )
@@ -173,8 +174,8 @@ def test_in_tree_v1_on_26b(runs: _Runs, report_figure: Callable[[str], None]) ->
     try:
         (in_tree,) = runs.results(("26b-a4b", IN_TREE))
     except RuntimeError as failure:
-        tail = str(failure).strip().splitlines()[-3:]
-        report_figure(f"in-tree V1 on the tiny 26B-A4B shape did not start: {tail}")
+        errors = error_lines(str(failure)) or str(failure).strip().splitlines()[-3:]
+        report_figure(f"in-tree V1 on the tiny 26B-A4B shape did not start: {errors}")
         return
     same = in_tree.token_ids == plain.token_ids
     report_figure(f"in-tree V1 on the tiny 26B-A4B shape started; tokens equal to plain: {same}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -357,10 +358,25 @@ def generate_in_subprocess(
         if proc.returncode != 0:
             raise RuntimeError(
                 f"engine run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                f"{proc.stderr[-8000:]}"
+                f"{proc.stderr[-20000:]}"
             )
         data = json.loads(response.read_text())
     return [RunResult(**d) for d in data]
+
+
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b:?.*)$")
+
+
+def error_lines(text: str, limit: int = 3) -> list[str]:
+    """The distinct exception lines (``SomeError: message``) of a failed run's output, last
+    ``limit`` of them in order, without the ``[rankN]:`` prefixes of vLLM's workers: what a
+    report of a failure should name, rather than the warnings that follow it."""
+    found: list[str] = []
+    for line in text.splitlines():
+        match = _ERROR_LINE.match(line.strip())
+        if match and match.group(1) not in found:
+            found.append(match.group(1))
+    return found[-limit:]
 
 
 def run_tensor_parallel_three_ways(

@@ -1,0 +1,31 @@
+"""``testing.engine_run.error_lines``: what a report of a failed engine run names."""
+
+from __future__ import annotations
+
+from gemma4_spec.testing.engine_run import error_lines
+
+# Shaped like the tail of the H200's failed in-tree V1 start on the tiny 26B-A4B shape: the
+# exception is buried under the warnings printed after it.
+FAILED_RUN = """engine run failed (exit 1):
+Traceback (most recent call last):
+[rank0]:   File "/tmp/site/vllm/v1/engine/core.py", line 120, in __init__
+[rank0]: RuntimeError: a and b must have same reduction dim, but got [4, 64] X [192, 1024].
+ERROR 12-01 22:21:20 [core.py:900] EngineCore failed to start.
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+[rank0]:  For more details about this graph break, please visit: https://example.invalid/gb4315
+[rank0]:[W1201 22:21:21 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group()
+"""
+
+
+def test_names_the_exceptions_not_the_warnings_after_them() -> None:
+    assert error_lines(FAILED_RUN) == [
+        "RuntimeError: a and b must have same reduction dim, but got [4, 64] X [192, 1024].",
+        "RuntimeError: Engine core initialization failed. See root cause above. "
+        "Failed core proc(s): {}",
+    ]
+
+
+def test_keeps_the_last_distinct_ones() -> None:
+    text = "ValueError: first\nKeyError: 'x'\nValueError: first\ntorch.OutOfMemoryError: big\n"
+    assert error_lines(text, limit=2) == ["KeyError: 'x'", "torch.OutOfMemoryError: big"]
+    assert error_lines("Warning: nothing failed here\n") == []
