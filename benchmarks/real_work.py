@@ -94,6 +94,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_GREEDY_VERIFY": "0"},
         "spec": {},
     },
+    # vLLM's dynamic speculation length (num_speculative_tokens_per_batch_size; capped at the
+    # run's k): fewer drafts where the batch is large and verifying them costs more than they
+    # earn at poor acceptance. Diagnostic: whether a schedule by batch size gives the
+    # GPU-bound rows what a fixed k cannot.
+    "ours-V2-dynk": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"},
+        "spec": {"num_speculative_tokens_per_batch_size": [[1, 8, 3], [9, 32, 2], [33, 1024, 1]]},
+    },
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):
     # what it changes in a first pass.
     "ours-V2-nowarm": {

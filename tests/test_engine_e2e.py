@@ -94,6 +94,12 @@ def runs(checkpoints, prompts) -> dict[str, RunResult]:  # type: ignore[no-untyp
         RunConfig(**shared, assistant=checkpoints["shared-centroids"], num_speculative_tokens=3),
         RunConfig(**shared, assistant=checkpoints["shared-full-vocab"], num_speculative_tokens=3),
     ]
+    # vLLM's dynamic speculation length (its speculative_config option): k = 3 for a request
+    # alone, k = 1 for the three that follow it together.
+    batched = dict(base, request_batches=[1, len(PROMPT_LENGTHS) - 1])
+    dynamic = _dynamic_k_config(batched, checkpoints["full-vocab"])
+    names += ["plain-batched", "full-vocab-dynamic-k"]
+    configs += [RunConfig(**batched), dynamic]
     results = dict(zip(names, generate_in_subprocess(configs), strict=True))
     in_tree = generate_in_subprocess(
         [
@@ -101,11 +107,35 @@ def runs(checkpoints, prompts) -> dict[str, RunResult]:  # type: ignore[no-untyp
             RunConfig(
                 **shared, assistant=checkpoints["shared-full-vocab"], num_speculative_tokens=3
             ),
+            dynamic,
         ],
         plugins="none",
     )
-    results["in-tree-full-vocab-k3"], results["in-tree-shared-full-vocab-k3"] = in_tree
+    (
+        results["in-tree-full-vocab-k3"],
+        results["in-tree-shared-full-vocab-k3"],
+        results["in-tree-full-vocab-dynamic-k"],
+    ) = in_tree
     return results
+
+
+# (first batch size, last batch size, k): batch sizes 1 draft 3 tokens, 2 to 64 draft 1.
+DYNAMIC_K_SCHEDULE = [[1, 1, 3], [2, 64, 1]]
+
+
+def _dynamic_k_config(base: dict, assistant: str) -> RunConfig:  # type: ignore[type-arg]
+    spec = {
+        "method": "gemma4_mtp",
+        "model": assistant,
+        "num_speculative_tokens": 3,
+        "num_speculative_tokens_per_batch_size": DYNAMIC_K_SCHEDULE,
+    }
+    return RunConfig(
+        **base,
+        assistant=assistant,
+        num_speculative_tokens=3,
+        extra_engine_kwargs={"speculative_config": spec},
+    )
 
 
 @pytest.mark.parametrize("kind", ["centroids", "full-vocab"])
@@ -186,3 +216,17 @@ def test_bfloat16_runs(runs) -> None:  # type: ignore[no-untyped-def]
     assert [len(t) for t in bf16.token_ids] == [MAX_TOKENS] * len(PROMPT_LENGTHS)
     m = bf16.spec_metrics
     assert m["vllm:spec_decode_num_draft_tokens"] == 3 * m["vllm:spec_decode_num_drafts"] > 0
+
+
+def test_dynamic_speculation_length(runs) -> None:  # type: ignore[no-untyped-def]
+    # num_speculative_tokens_per_batch_size: the scheduler asks for fewer drafts at larger
+    # batches; ours drafts what it is asked, losslessly, and counts as vLLM's own does.
+    dynamic, in_tree = runs["full-vocab-dynamic-k"], runs["in-tree-full-vocab-dynamic-k"]
+    assert dynamic.proposer_class == PLUGIN_PROPOSER
+    assert runs["plain-batched"].token_ids == runs["plain"].token_ids
+    assert dynamic.token_ids == runs["plain-batched"].token_ids
+    m = dynamic.spec_metrics
+    drafts = m["vllm:spec_decode_num_drafts"]
+    assert drafts < m["vllm:spec_decode_num_draft_tokens"] < 3 * drafts  # both k ran
+    assert dynamic.token_ids == in_tree.token_ids
+    assert dynamic.spec_metrics == in_tree.spec_metrics
