@@ -444,6 +444,7 @@ def print_tables(saved: dict[str, Any]) -> None:
                 f"{statistics.median(ratios):4.2f}x ({min(ratios):4.2f} - {max(ratios):4.2f})"
             )
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
+    _print_targets(results, plain, batches, paired)
     # Saved copies may leave the token ids out.
     has_tokens = plain is not None and "token_ids" in plain[batches[0]][0]
     if saved["pair"] == "trained" and not temperature and has_tokens:  # bf16 near-ties differ
@@ -456,6 +457,62 @@ def print_tables(saved: dict[str, Any]) -> None:
                     same += sum(x == y for x, y in pairs)
                     total += len(ours["token_ids"])
             print(f"  {name:24} {same} / {total}")
+
+
+# The speed issue's targets: steady tokens/s at least this much over in-tree's (paired per
+# round), a first pass at least this much of the run's own steady state, and with nothing
+# accepted a step costing at most this much over plain's, its rounds within this of each other.
+TARGET_OVER_IN_TREE = 1.15
+TARGET_FIRST_PASS = 0.9
+TARGET_ZERO_STEP = 1.08
+TARGET_ZERO_SPREAD = 0.05
+
+
+def _print_targets(
+    results: dict[str, Any],
+    plain: dict[str, Any] | None,
+    batches: list[str],
+    paired: dict[str, str],
+) -> None:
+    """Each of ours' cells against the speed issue's targets: 'met' or the figure that misses."""
+    ours = [name for name in results if name.startswith("ours")]
+    if not ours:
+        return
+    print(
+        f"\ntargets: steady >= {TARGET_OVER_IN_TREE}x in-tree (paired median), first pass >= "
+        f"{TARGET_FIRST_PASS} of own steady; nothing accepted: a step <= {TARGET_ZERO_STEP}x "
+        f"plain's, rounds within {TARGET_ZERO_SPREAD}"
+    )
+
+    def rounds(name: str, b: str) -> list[float]:
+        return [r["tokens_per_s"] for r in results[name]["runs"][b][1:]]
+
+    for name in ours:
+        cells = []
+        for b in batches:
+            runs = results[name]["runs"][b]
+            steady = statistics.median(rounds(name, b))
+            misses = []
+            other = paired.get(name)
+            if other is not None:
+                pairs = zip(rounds(name, b), rounds(other, b), strict=False)
+                ratio = statistics.median(x / y for x, y in pairs)
+                if ratio < TARGET_OVER_IN_TREE:
+                    misses.append(f"{ratio:4.2f}x")
+            first = runs[0]["tokens_per_s"] / steady
+            if first < TARGET_FIRST_PASS:
+                misses.append(f"first {first:4.2f}")
+            if name.endswith(f" {ZERO}") and plain is not None:
+                # Nothing accepted: a step makes one token a request, as plain's does.
+                steps = [
+                    p["tokens_per_s"] / x["tokens_per_s"]
+                    for p, x in zip(plain[b][1:], runs[1:], strict=False)
+                ]
+                step = statistics.median(steps)
+                if step > TARGET_ZERO_STEP or max(steps) - min(steps) > TARGET_ZERO_SPREAD:
+                    misses.append(f"step {step:4.2f} ({min(steps):4.2f}-{max(steps):4.2f})")
+            cells.append(", ".join(misses) if misses else "met")
+        print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def test_tables_of_a_saved_run(tmp_path: Path) -> None:
     assert "1.00x" in plain and "x in-tree" not in plain
     assert "ours-V1 k=3 real         6 / 6" in out
     # Paired with in-tree's rounds 1 and 2: 230 / 200 and 250 / 220.
-    paired = out.split("steady rounds paired")[1].splitlines()
+    paired = out.split("steady rounds paired")[1].split("\ntargets:")[0].splitlines()
     (line,) = [row for row in paired if row.startswith("ours-V1 k=3 real")]
     assert "1.14x (1.14 - 1.15)" in line
 
@@ -152,3 +152,26 @@ def test_each_engine_has_its_own_compile_caches(tmp_path: Path) -> None:
     assert (
         "VLLM_PLUGINS" not in a and engine_env({"VLLM_PLUGINS": "none"}, tmp_path)["VLLM_PLUGINS"]
     )
+
+
+def test_targets_name_what_misses(tmp_path: Path) -> None:
+    saved = {
+        "pair": "e2b",
+        "new_tokens": 128,
+        "results": {
+            "plain": {"startup_s": 30, "runs": {"1": _runs([90, 100, 100], None)}},
+            "in-tree k=2 zero": {"startup_s": 40, "runs": {"1": _runs([70, 80, 80], 1.0)}},
+            "ours-V2 k=2 zero": {"startup_s": 50, "runs": {"1": _runs([60, 95, 80], 1.0)}},
+            "in-tree k=2 field": {"startup_s": 40, "runs": {"1": _runs([190, 200, 200], 2.3)}},
+            "ours-V2 k=2 field": {"startup_s": 50, "runs": {"1": _runs([240, 240, 240], 2.3)}},
+        },
+    }
+    targets = _tables(saved, tmp_path).split("\ntargets:")[1].splitlines()
+    (zero,) = [row for row in targets if row.startswith("ours-V2 k=2 zero")]
+    # Paired with in-tree: 95/80 and 80/80, median 1.09x; first pass 60 of a steady 87.5;
+    # a step costs 100/95 and 100/80 of plain's: median 1.15, rounds 1.05 - 1.25 apart.
+    assert (
+        zero.removeprefix("ours-V2 k=2 zero").strip() == "1.09x, first 0.69, step 1.15 (1.05-1.25)"
+    )
+    (field,) = [row for row in targets if row.startswith("ours-V2 k=2 field")]
+    assert field.split()[-1] == "met"  # 1.20x in-tree, first pass 1.00 of steady
