@@ -29,3 +29,7 @@ def test_keeps_the_last_distinct_ones() -> None:
     text = "ValueError: first\nKeyError: 'x'\nValueError: first\ntorch.OutOfMemoryError: big\n"
     assert error_lines(text, limit=2) == ["KeyError: 'x'", "torch.OutOfMemoryError: big"]
     assert error_lines("Warning: nothing failed here\n") == []
+
+
+def test_prose_that_mentions_an_error_is_no_exception_line() -> None:
+    assert error_lines("Error handling went fine\nNo RuntimeError here\n") == []

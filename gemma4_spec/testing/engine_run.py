@@ -364,7 +364,7 @@ def generate_in_subprocess(
     return [RunResult(**d) for d in data]
 
 
-_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b:?.*)$")
+_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception): .*)$")
 
 
 def error_lines(text: str, limit: int = 3) -> list[str]:
