@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_spec.ops.graphed_launch import GraphedLaunches
+from gemma4_spec.ops.graphed_launch import GraphedLaunches, captures_in_process
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -37,8 +37,10 @@ def _adder(x: torch.Tensor, out: torch.Tensor):  # type: ignore[no-untyped-def]
 def test_replays_a_captured_launch_with_the_inputs_of_the_moment() -> None:
     x, out = torch.zeros(8, device="cuda"), torch.zeros(8, device="cuda")
     launches = GraphedLaunches("test")
+    before = captures_in_process()
     launches.run((x.data_ptr(), out.data_ptr()), _adder(x, out), x.device)  # launched and captured
     assert launches.captured == 1 and launches.replays == 0 and out.eq(1).all()
+    assert captures_in_process() == before + 1  # what engine runs count while serving
     x.fill_(5)
     launches.run((x.data_ptr(), out.data_ptr()), _adder(x, out), x.device)
     assert launches.replays == 1 and out.eq(6).all()

@@ -30,6 +30,13 @@ from gemma4_spec.switches import turned_off
 
 logger = get_logger(__name__)
 GRAPHED_LAUNCHES_ENV = "GEMMA4_SPEC_GRAPHED_LAUNCHES"
+_captures_in_process = 0  # graphs captured by every launch site of this process so far
+
+
+def captures_in_process() -> int:
+    """How many launch graphs this process has captured, over every launch site: the count
+    before and after serving tells whether any was captured in a request's path."""
+    return _captures_in_process
 
 
 class GraphedLaunches:
@@ -90,3 +97,5 @@ class GraphedLaunches:
         finally:
             main.wait_stream(side)
         self._graphs[key] = graph
+        global _captures_in_process
+        _captures_in_process += 1

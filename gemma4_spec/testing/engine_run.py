@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gemma4_spec.metrics import Acceptance, spec_metrics
+from gemma4_spec.ops.graphed_launch import captures_in_process
 from gemma4_spec.patch.patch_gpu_model_runner import RUNNER_MODULE
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
 from gemma4_spec.patch.patch_triton_attn import flatten_replays_of, rewrites_of
@@ -140,6 +141,9 @@ class RunResult:
     # Async scheduling's computed-token corrections replayed from CUDA graphs
     # (spec_decode/computed_tokens.py).
     correction_graph_replays: int = 0
+    # Graphs of the plugin's small per-step launches (``ops/graphed_launch.py``) captured while
+    # generating, after start-up (the most of any rank): captures in a request's path.
+    launch_graphs_captured_serving: int = 0
     # With ``count_triton_compiles``: the kernel (and specialisation) of every Triton
     # compilation the worker ran while generating, after its start-up.
     triton_compiles: list[str] = field(default_factory=list)
@@ -216,6 +220,7 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     params = [SamplingParams(**{**defaults, **changes}) for changes in per_prompt]
     if config.count_triton_compiles:
         llm.collective_rpc(_count_triton_compiles)
+    captures_before = llm.collective_rpc(_graphed_launch_captures)
     requests = [{"prompt_token_ids": p} for p in config.prompts]
     batches = config.request_batches or [len(requests)]
     outputs = []
@@ -238,12 +243,22 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
             raise AttributeError(f"worker fact {name!r} is no field of {type(result).__name__}")
         setattr(result, name, value)
     result.draft_loop_graphs = [tuple(x) for x in result.rank_facts[0]["draft_loop_graphs"]]
+    after = llm.collective_rpc(_graphed_launch_captures)
+    result.launch_graphs_captured_serving = max(
+        a - b for a, b in zip(after, captures_before, strict=True)
+    )
     del llm
     return result
 
 
 def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _graphed_launch_captures(worker: Any) -> int:
+    """Runs in the worker: launch graphs captured in its process so far."""
+    del worker
+    return captures_in_process()
 
 
 def _worker_facts(worker: Any) -> dict[str, Any]:
