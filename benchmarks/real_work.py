@@ -445,6 +445,7 @@ def print_tables(saved: dict[str, Any]) -> None:
             )
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
     _print_targets(results, plain, batches, paired)
+    _print_best_k(results, batches)
     # Saved copies may leave the token ids out.
     has_tokens = plain is not None and "token_ids" in plain[batches[0]][0]
     if saved["pair"] == "trained" and not temperature and has_tokens:  # bf16 near-ties differ
@@ -457,6 +458,41 @@ def print_tables(saved: dict[str, Any]) -> None:
                     same += sum(x == y for x, y in pairs)
                     total += len(ours["token_ids"])
             print(f"  {name:24} {same} / {total}")
+
+
+def _print_best_k(results: dict[str, Any], batches: list[str]) -> None:
+    """Where one variant and profile ran at several k: the fastest k at each batch size, and
+    the schedule vLLM's ``num_speculative_tokens_per_batch_size`` takes for it (a measured
+    batch size's k holds up to the next one measured)."""
+    by_run: dict[tuple[str, str], dict[int, str]] = {}
+    for name in results:
+        variant, _, rest = name.partition(" k=")
+        k, _, profile = rest.partition(" ")
+        if k.isdigit():
+            by_run.setdefault((variant, profile), {})[int(k)] = name
+    several = {run: ks for run, ks in by_run.items() if len(ks) > 1}
+    if not several:
+        return
+    print("\nfastest k by batch size (steady tokens/s), as a dynamic speculation-length schedule")
+    for (variant, profile), ks in several.items():
+        best = []
+        for b in batches:
+            tps = {
+                k: statistics.median(r["tokens_per_s"] for r in results[name]["runs"][b][1:])
+                for k, name in ks.items()
+            }
+            best.append(max(tps, key=lambda k: tps[k]))
+        sizes = [int(b) for b in batches]
+        schedule: list[list[int]] = []
+        for i, k in enumerate(best):
+            end = sizes[i + 1] - 1 if i + 1 < len(sizes) else 1024
+            if schedule and schedule[-1][2] == k:
+                schedule[-1][1] = end  # the same k as the range before: one range
+            else:
+                schedule.append([1 if i == 0 else sizes[i], end, k])
+        cells = "".join(f"{'k=' + str(k):>34}" for k in best)
+        print(f"{variant + ' ' + profile:24}{'':8}{cells}")
+        print(f"  num_speculative_tokens_per_batch_size: {schedule}")
 
 
 # The speed issue's targets: steady tokens/s at least this much over in-tree's (paired per

@@ -175,3 +175,22 @@ def test_targets_name_what_misses(tmp_path: Path) -> None:
     )
     (field,) = [row for row in targets if row.startswith("ours-V2 k=2 field")]
     assert field.split()[-1] == "met"  # 1.20x in-tree, first pass 1.00 of steady
+
+
+def test_fastest_k_by_batch_size_as_a_schedule(tmp_path: Path) -> None:
+    runs = {
+        "ours-V2 k=1 poor": {"1": [100, 100, 100], "8": [500, 640, 640], "32": [900, 1000, 1000]},
+        "ours-V2 k=3 poor": {"1": [100, 150, 150], "8": [500, 600, 600], "32": [900, 950, 950]},
+    }
+    saved = {
+        "pair": "e2b",
+        "new_tokens": 128,
+        "results": {
+            name: {"startup_s": 1, "runs": {b: _runs(t, 1.5) for b, t in by_b.items()}}
+            for name, by_b in runs.items()
+        },
+    }
+    out = _tables(saved, tmp_path).split("fastest k by batch size")[1]
+    (row,) = [line for line in out.splitlines() if line.startswith("ours-V2 poor")]
+    assert row.split()[2:] == ["k=3", "k=1", "k=1"]
+    assert "num_speculative_tokens_per_batch_size: [[1, 7, 3], [8, 1024, 1]]" in out
