@@ -63,6 +63,21 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
         configs[f"{name}-ours"] = RunConfig(
             **common, assistant=str(drafter), num_speculative_tokens=3
         )
+        if name == "tiny":  # vLLM's dynamic speculation length: k = 3 alone, k = 1 for four
+            batched = dict(common, request_batches=[1, len(prompts) - 1])
+            spec = {
+                "method": "gemma4_mtp",
+                "model": str(drafter),
+                "num_speculative_tokens": 3,
+                "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 1]],
+            }
+            configs["tiny-plain-batched"] = RunConfig(**batched)
+            configs["tiny-dynamic-k"] = RunConfig(
+                **batched,
+                assistant=str(drafter),
+                num_speculative_tokens=3,
+                extra_engine_kwargs={"speculative_config": spec},
+            )
     results = generate_in_subprocess(
         list(configs.values()), env={"VLLM_USE_V2_MODEL_RUNNER": runner}
     )
@@ -189,3 +204,16 @@ def test_verification_took_the_plugin_paths(runs, target: str) -> None:  # type:
     assert runs[f"{target}-ours"].verify_metadata_reuses > 0
     assert runs[f"{target}-ours"].draft_start_graph_replays > 0
     assert runs[f"{target}-ours"].correction_graph_replays > 0
+
+
+@pytest.mark.parametrize("runner", ["V1", "V2"])
+def test_dynamic_speculation_length(request, runner: str) -> None:  # type: ignore[no-untyped-def]
+    # num_speculative_tokens_per_batch_size: fewer drafts at the larger batch, on both runners
+    # with their graphs (ours' draft graphs are captured for the largest k). Only the runner's
+    # own engines are started (the runner halves run as separate pytest processes).
+    results = request.getfixturevalue("runs" if runner == "V1" else "v2_runs")
+    plain, ours = results["tiny-plain-batched"], results["tiny-dynamic-k"]
+    assert ours.token_ids == plain.token_ids
+    metrics = ours.spec_metrics
+    drafts = metrics["vllm:spec_decode_num_drafts"]
+    assert drafts < metrics["vllm:spec_decode_num_draft_tokens"] < 3 * drafts  # both k ran
