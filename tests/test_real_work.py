@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -194,3 +195,25 @@ def test_fastest_k_by_batch_size_as_a_schedule(tmp_path: Path) -> None:
     (row,) = [line for line in out.splitlines() if line.startswith("ours-V2 poor")]
     assert row.split()[2:] == ["k=3", "k=1", "k=1"]
     assert "num_speculative_tokens_per_batch_size: [[1, 7, 3], [8, 1024, 1]]" in out
+
+
+def test_python_profile_reports_the_time_a_run_adds_per_token(capsys) -> None:  # type: ignore[no-untyped-def]
+    import profile_decode
+
+    def busy(n: int) -> None:
+        deadline = time.perf_counter() + 0.002 * n
+        while time.perf_counter() < deadline:
+            pass
+
+    def run(tokens: int) -> None:
+        busy(1)  # the prefill, in both runs
+        for _ in range(tokens - 1):
+            busy(1)  # one decode step a token
+
+    profile_decode._print_python_profile(run, 4, rows=3)
+    out = capsys.readouterr().out
+    (line,) = [row for row in out.splitlines() if "(busy)" in row and "cum" in row][:1]
+    # 1 + 4 tokens minus 1 token, over 4: one busy() of ~2 ms a token.
+    cumulative = float(line.split("us own")[1].split("us cum")[0])
+    assert 1800 < cumulative < 4000
+    assert "1.00 calls" in line
