@@ -390,9 +390,6 @@ def print_tables(saved: dict[str, Any]) -> None:
     plain = results["plain"]["runs"] if "plain" in results else None  # --only may leave it out
     batches = list(next(iter(results.values()))["runs"])
 
-    def steady(runs: list[dict[str, Any]]) -> float:
-        return statistics.median(r["tokens_per_s"] for r in runs[1:])
-
     def in_tree_of(name: str) -> str | None:
         variant, _, rest = name.partition(" ")
         other = f"in-tree {rest}"
@@ -412,10 +409,10 @@ def print_tables(saved: dict[str, Any]) -> None:
         cells = []
         for b in batches:
             runs = result["runs"][b]
-            tps = steady(runs)
-            cell = f"{tps:7.0f} " + (f"{tps / steady(plain[b]):4.2f}x" if plain else "    -")
+            tps = _steady(runs)
+            cell = f"{tps:7.0f} " + (f"{tps / _steady(plain[b]):4.2f}x" if plain else "    -")
             other = in_tree_of(name)
-            cell += f" {tps / steady(results[other]['runs'][b]):4.2f}x" if other else "      "
+            cell += f" {tps / _steady(results[other]['runs'][b]):4.2f}x" if other else "      "
             cell += f" | {runs[0]['tokens_per_s'] / tps:4.2f}"
             length = runs[-1]["mean_accepted_length"]
             cell += f" | {length:4.2f}" if length else " |     "
@@ -438,8 +435,7 @@ def print_tables(saved: dict[str, Any]) -> None:
         result = results[name]
         cells = []
         for b in batches:
-            pairs = zip(result["runs"][b][1:], results[other]["runs"][b][1:], strict=False)
-            ratios = [x["tokens_per_s"] / y["tokens_per_s"] for x, y in pairs]
+            ratios = _paired_ratios(result["runs"][b], results[other]["runs"][b])
             cells.append(
                 f"{statistics.median(ratios):4.2f}x ({min(ratios):4.2f} - {max(ratios):4.2f})"
             )
@@ -460,6 +456,17 @@ def print_tables(saved: dict[str, Any]) -> None:
             print(f"  {name:24} {same} / {total}")
 
 
+def _steady(runs: list[dict[str, Any]]) -> float:
+    """Steady-state tokens/s: the median of the rounds after the first pass."""
+    return statistics.median(r["tokens_per_s"] for r in runs[1:])
+
+
+def _paired_ratios(runs: list[dict[str, Any]], others: list[dict[str, Any]]) -> list[float]:
+    """Each steady round's tokens/s over the other engine's round of the same number."""
+    pairs = zip(runs[1:], others[1:], strict=False)
+    return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in pairs]
+
+
 def _print_best_k(results: dict[str, Any], batches: list[str]) -> None:
     """Where one variant and profile ran at several k: the fastest k at each batch size, and
     the schedule vLLM's ``num_speculative_tokens_per_batch_size`` takes for it (a measured
@@ -477,10 +484,7 @@ def _print_best_k(results: dict[str, Any], batches: list[str]) -> None:
     for (variant, profile), ks in several.items():
         best = []
         for b in batches:
-            tps = {
-                k: statistics.median(r["tokens_per_s"] for r in results[name]["runs"][b][1:])
-                for k, name in ks.items()
-            }
+            tps = {k: _steady(results[name]["runs"][b]) for k, name in ks.items()}
             best.append(max(tps, key=lambda k: tps[k]))
         sizes = [int(b) for b in batches]
         schedule: list[list[int]] = []
@@ -520,30 +524,22 @@ def _print_targets(
         f"plain's, rounds within {TARGET_ZERO_SPREAD}"
     )
 
-    def rounds(name: str, b: str) -> list[float]:
-        return [r["tokens_per_s"] for r in results[name]["runs"][b][1:]]
-
     for name in ours:
         cells = []
         for b in batches:
             runs = results[name]["runs"][b]
-            steady = statistics.median(rounds(name, b))
             misses = []
             other = paired.get(name)
             if other is not None:
-                pairs = zip(rounds(name, b), rounds(other, b), strict=False)
-                ratio = statistics.median(x / y for x, y in pairs)
+                ratio = statistics.median(_paired_ratios(runs, results[other]["runs"][b]))
                 if ratio < TARGET_OVER_IN_TREE:
                     misses.append(f"{ratio:4.2f}x")
-            first = runs[0]["tokens_per_s"] / steady
+            first = runs[0]["tokens_per_s"] / _steady(runs)
             if first < TARGET_FIRST_PASS:
                 misses.append(f"first {first:4.2f}")
             if name.endswith(f" {ZERO}") and plain is not None:
                 # Nothing accepted: a step makes one token a request, as plain's does.
-                steps = [
-                    p["tokens_per_s"] / x["tokens_per_s"]
-                    for p, x in zip(plain[b][1:], runs[1:], strict=False)
-                ]
+                steps = _paired_ratios(plain[b], runs)
                 step = statistics.median(steps)
                 if step > TARGET_ZERO_STEP or max(steps) - min(steps) > TARGET_ZERO_SPREAD:
                     misses.append(f"step {step:4.2f} ({min(steps):4.2f}-{max(steps):4.2f})")
