@@ -220,7 +220,7 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     params = [SamplingParams(**{**defaults, **changes}) for changes in per_prompt]
     if config.count_triton_compiles:
         llm.collective_rpc(_count_triton_compiles)
-    captures_before = llm.collective_rpc(_graphed_launch_captures)
+    llm.collective_rpc(_mark_serving_start)
     requests = [{"prompt_token_ids": p} for p in config.prompts]
     batches = config.request_batches or [len(requests)]
     outputs = []
@@ -243,9 +243,8 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
             raise AttributeError(f"worker fact {name!r} is no field of {type(result).__name__}")
         setattr(result, name, value)
     result.draft_loop_graphs = [tuple(x) for x in result.rank_facts[0]["draft_loop_graphs"]]
-    after = llm.collective_rpc(_graphed_launch_captures)
-    result.launch_graphs_captured_serving = max(
-        a - b for a, b in zip(after, captures_before, strict=True)
+    result.launch_graphs_captured_serving = max(  # of any rank, not only the first
+        facts["launch_graphs_captured_serving"] for facts in result.rank_facts
     )
     del llm
     return result
@@ -253,12 +252,6 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
 
 def _class_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _graphed_launch_captures(worker: Any) -> int:
-    """Runs in the worker: launch graphs captured in its process so far."""
-    del worker
-    return captures_in_process()
 
 
 def _worker_facts(worker: Any) -> dict[str, Any]:
@@ -309,6 +302,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         if isinstance(correction, GraphedCorrection)
         else 0,
         "triton_compiles": list(_triton_compiles or []),
+        "launch_graphs_captured_serving": captures_in_process() - _captures_at_serving_start,
     }
 
 
@@ -326,6 +320,18 @@ def watch_triton_compiles(note: Callable[[str], None]) -> None:
         return previous(**kwargs) if previous is not None else False  # False: compile
 
     knobs.runtime.jit_cache_hook = hook
+
+
+# Launch graphs this worker's process had captured when generating began
+# (``_mark_serving_start``).
+_captures_at_serving_start = 0
+
+
+def _mark_serving_start(worker: Any) -> None:
+    """Runs in the worker, after start-up: what it captures from now on is in requests' path."""
+    del worker
+    global _captures_at_serving_start
+    _captures_at_serving_start = captures_in_process()
 
 
 # Triton compilations in this worker since ``_count_triton_compiles`` (None: not counting).
