@@ -31,10 +31,12 @@ from gemma4_spec.testing.tiny import (
     build_tiny_pair,
 )
 
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+
+def on_gpu(test):  # type: ignore[no-untyped-def]
+    """Every test but the configuration check starts engines on a GPU."""
+    needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    return pytest.mark.engine(needs_cuda(test))
+
 
 V1_RUNNER = "vllm.v1.worker.gpu_model_runner.GPUModelRunner"
 PROMPT_LENGTHS = (3, 9, 21, 40, 70)
@@ -54,6 +56,15 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
     0.26 keeps process-global CUDA-graph state that a V1 engine leaves unfit for a later V2
     engine in the same process ("CUDA graph capturing detected at an inappropriate time"), so
     each runner gets its own process. Greedy float32 output does not depend on the runner."""
+    configs = _configs(root)
+    results = generate_in_subprocess(
+        list(configs.values()), env={"VLLM_USE_V2_MODEL_RUNNER": runner}
+    )
+    return dict(zip(configs, results, strict=True))
+
+
+def _configs(root) -> dict[str, RunConfig]:  # type: ignore[no-untyped-def]
+    """name -> the engine of that name, for either runner."""
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
     configs = {}
@@ -73,15 +84,30 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
             }
             configs["tiny-plain-batched"] = RunConfig(**batched)
             configs["tiny-dynamic-k"] = RunConfig(
-                **batched,
+                **dict(
+                    batched,
+                    extra_engine_kwargs={
+                        **batched["extra_engine_kwargs"],
+                        "speculative_config": spec,
+                    },
+                ),
                 assistant=str(drafter),
                 num_speculative_tokens=3,
-                extra_engine_kwargs={"speculative_config": spec},
             )
-    results = generate_in_subprocess(
-        list(configs.values()), env={"VLLM_USE_V2_MODEL_RUNNER": runner}
+    return configs
+
+
+def test_engine_configurations_build(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # Runs everywhere (CPU too): the engines this module starts on a GPU can be described at
+    # all (a broken description fails every GPU test of the module at set-up), and the dynamic
+    # one keeps the GPU engines' arguments beside its speculative config.
+    configs = _configs(tmp_path)
+    dynamic = configs["tiny-dynamic-k"].extra_engine_kwargs
+    assert (
+        dynamic["kv_cache_memory_bytes"]
+        == configs["tiny-ours"].extra_engine_kwargs["kv_cache_memory_bytes"]
     )
-    return dict(zip(configs, results, strict=True))
+    assert dynamic["speculative_config"]["num_speculative_tokens_per_batch_size"]
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +120,7 @@ def v2_runs(tmp_path_factory):  # type: ignore[no-untyped-def]
     return _run_on("1", tmp_path_factory.mktemp("gpu-v2"))
 
 
+@on_gpu
 @pytest.mark.parametrize("target", ["tiny", "e2b"])
 def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) -> None:  # type: ignore[no-untyped-def]
     # Model Runner V2: our speculator (spec_decode/runner_v2.py, vLLM's Gemma4 speculator with
@@ -121,6 +148,7 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     assert plain.flat_verify_rewrites == 0
 
 
+@on_gpu
 @pytest.mark.parametrize("target", ["tiny", "e2b"])
 def test_v2_drafts_equal_our_v1_proposers(runs, v2_runs, target: str) -> None:  # type: ignore[no-untyped-def]
     # Both runners draft each step from each request's last accepted token with keys up to it
@@ -137,6 +165,7 @@ def test_v2_drafts_equal_our_v1_proposers(runs, v2_runs, target: str) -> None:  
         assert v2.spec_metrics[name] == v1.spec_metrics[name], name
 
 
+@on_gpu
 @pytest.mark.parametrize("target", ["tiny", "e2b"])
 def test_greedy_output_equals_plain_decoding(runs, target: str) -> None:  # type: ignore[no-untyped-def]
     plain, ours = runs[f"{target}-plain"], runs[f"{target}-ours"]
@@ -150,6 +179,7 @@ def test_greedy_output_equals_plain_decoding(runs, target: str) -> None:  # type
     assert sum(per_pos) == metrics["vllm:spec_decode_num_accepted_tokens"]
 
 
+@on_gpu
 @pytest.mark.parametrize("target", ["tiny", "e2b"])
 def test_v1_runner_our_proposer_and_graphed_sampling(runs, target: str) -> None:  # type: ignore[no-untyped-def]
     ours = runs[f"{target}-ours"]
@@ -161,6 +191,7 @@ def test_v1_runner_our_proposer_and_graphed_sampling(runs, target: str) -> None:
     assert len(sizes) > 1 and min(sizes) <= len(PROMPT_LENGTHS) <= max(sizes)
 
 
+@on_gpu
 @pytest.mark.parametrize("target", ["tiny", "e2b"])
 def test_whole_draft_loop_replayed_from_a_graph(runs, target: str) -> None:  # type: ignore[no-untyped-def]
     # The k steps with their attention and sampling, one graph per (padded batch, k), all
@@ -178,6 +209,7 @@ def test_whole_draft_loop_replayed_from_a_graph(runs, target: str) -> None:  # t
     assert ours.draft_loop_rebuild_free
 
 
+@on_gpu
 @pytest.mark.parametrize("target", ["tiny", "e2b"])
 def test_verification_attention_ran_as_one_token_sequences(runs, target: str) -> None:  # type: ignore[no-untyped-def]
     # patch/patch_triton_attn.py: the target's verification batches went through the Triton
@@ -189,6 +221,7 @@ def test_verification_attention_ran_as_one_token_sequences(runs, target: str) ->
     assert runs[f"{target}-ours"].flat_verify_graph_replays > 0
 
 
+@on_gpu
 @pytest.mark.parametrize("target", ["tiny", "e2b"])
 def test_verification_took_the_plugin_paths(runs, target: str) -> None:  # type: ignore[no-untyped-def]
     # The equal-output test ran through these: verification index arrays in one transfer
@@ -206,6 +239,7 @@ def test_verification_took_the_plugin_paths(runs, target: str) -> None:  # type:
     assert runs[f"{target}-ours"].correction_graph_replays > 0
 
 
+@on_gpu
 @pytest.mark.parametrize("runner", ["V1", "V2"])
 def test_dynamic_speculation_length(request, runner: str) -> None:  # type: ignore[no-untyped-def]
     # num_speculative_tokens_per_batch_size: fewer drafts at the larger batch, on both runners
