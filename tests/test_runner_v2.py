@@ -192,3 +192,29 @@ def test_data_parallel_engines_keep_vllms_propose_and_graphs(
     batch, inputs = _verified_batch()
     assert _propose(spec, batch, inputs) == "vllm's"
     assert calls == ["capture", "propose"] and spec.loop_eager == spec.loop_replays == 0
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_graph_managers_are_built_without_the_speculation_length_schedule(
+    monkeypatch: pytest.MonkeyPatch, dp_size: int
+) -> None:
+    # Where our loop drafts, vLLM's graph managers are built with no per-k schedule (its
+    # one-query graphs serve every k; vLLM 0.26 divides by zero deriving one-query lengths from
+    # it), and the engine's config keeps the schedule for the scheduler. Where vLLM's propose
+    # drafts (data parallelism), its managers see the schedule as vLLM built them.
+    schedule = [[1, 8, 3], [9, 64, 1]]
+    seen: list[Any] = []
+    base = Gemma4LoopSpeculator.__mro__[1]
+    monkeypatch.setattr(
+        base,
+        "init_cudagraph_manager",
+        lambda self, mode: seen.append(
+            self.vllm_config.speculative_config.num_speculative_tokens_per_batch_size
+        ),
+    )
+    spec = _Speculator(3, dp_size=dp_size)
+    config = SimpleNamespace(num_speculative_tokens_per_batch_size=schedule)
+    spec.vllm_config = SimpleNamespace(speculative_config=config)
+    spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
+    assert seen == [None if dp_size == 1 else schedule]
+    assert config.num_speculative_tokens_per_batch_size is schedule

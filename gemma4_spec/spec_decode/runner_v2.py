@@ -56,6 +56,24 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         self.loop_replays = 0  # proposals replayed from a draft-loop graph
         self.loop_eager = 0  # proposals run eagerly through the same loop
 
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        """vLLM's graph managers, without the speculation-length schedule
+        (``num_speculative_tokens_per_batch_size``) where this loop drafts: its graphs are
+        one-query steps whatever k the scheduler picks for a batch (a replay drafts the engine's
+        k, the scheduler keeps the ones it scheduled), so no graph per k is needed. vLLM 0.26
+        derives a one-query manager's per-k query lengths as ``k' + 1 - k`` and divides by zero
+        at start-up for any ``k' < k`` (0.32 leaves one-query managers out of the schedule)."""
+        spec = self.vllm_config.speculative_config
+        if self._vllms_propose() or spec.num_speculative_tokens_per_batch_size is None:
+            super().init_cudagraph_manager(cudagraph_mode)
+            return
+        schedule = spec.num_speculative_tokens_per_batch_size
+        spec.num_speculative_tokens_per_batch_size = None
+        try:
+            super().init_cudagraph_manager(cudagraph_mode)
+        finally:
+            spec.num_speculative_tokens_per_batch_size = schedule
+
     def capture(self) -> None:
         """One graph of the whole draft loop per one-query batch size vLLM captures (its
         draft-prefill graphs are not needed: nothing drafts from them). Where vLLM's
