@@ -41,6 +41,10 @@ class EngineTurns:
         for stale in control.iterdir():
             stale.unlink()
         self._procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        # Engines that exited before they were ready (``wait_ready(..., drop_failed=True)``):
+        # name -> the exception lines of their output. They take no turns and have no results.
+        self.not_started: dict[str, list[str]] = {}
+        self._dropped: set[int] = set()
 
     def start(self, name: str, script: str, args: list[str], env: dict[str, str]) -> None:
         """Start the next engine, ``i``: ``script --worker --control C --index i --out C/i.json``
@@ -58,17 +62,31 @@ class EngineTurns:
         tail = (self.control / f"engine-{i}.log").read_text()[-6000:]
         raise SystemExit(f"engine '{self._procs[i][0]}' {what}:\n{tail}")
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, drop_failed: bool = False) -> None:
+        """Until every engine is ready. One that exits first stops the run, or with
+        ``drop_failed`` is left out of it (``not_started``); running past ``timeout`` stops it."""
+        from gemma4_spec.testing.engine_run import error_lines
+
         deadline = time.monotonic() + timeout
-        for i, (_, proc) in enumerate(self._procs):
+        for i, (name, proc) in enumerate(self._procs):
             while not (self.control / f"{i}.ready").exists():
+                if proc.poll() is not None and drop_failed:
+                    log = (self.control / f"engine-{i}.log").read_text()
+                    self.not_started[name] = error_lines(log) or log.splitlines()[-1:]
+                    self._dropped.add(i)
+                    break
                 if proc.poll() is not None or time.monotonic() > deadline:
                     self._fail(i, "did not start")
                 time.sleep(0.5)
+        if len(self._dropped) == len(self._procs):
+            raise SystemExit(f"no engine started: {self.not_started}")
+
+    def _running(self) -> list[tuple[int, str, subprocess.Popen[bytes]]]:
+        return [(i, n, p) for i, (n, p) in enumerate(self._procs) if i not in self._dropped]
 
     def take_turns(self, rounds: int) -> None:
         for rnd in range(rounds):
-            for i, (_, proc) in enumerate(self._procs):
+            for i, _, proc in self._running():
                 (self.control / f"{i}.go{rnd}").touch()
                 while not (self.control / f"{i}.done{rnd}").exists():
                     if proc.poll() is not None:
@@ -78,7 +96,7 @@ class EngineTurns:
     def results(self) -> dict[str, Any]:
         """Each engine's results, by name, once they have all exited."""
         results: dict[str, Any] = {}
-        for i, (name, proc) in enumerate(self._procs):
+        for i, name, proc in self._running():
             if proc.wait(timeout=300) != 0:
                 self._fail(i, "failed")
             results[name] = json.loads((self.control / f"{i}.json").read_text())

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -217,3 +218,65 @@ def test_python_profile_reports_the_time_a_run_adds_per_token(capsys) -> None:  
     cumulative = float(line.split("us own")[1].split("us cum")[0])
     assert 1800 < cumulative < 4000
     assert "1.00 calls" in line
+
+
+def test_tables_name_engines_that_did_not_start_and_batches_that_queued(tmp_path: Path) -> None:
+    # vLLM's own path on the 26B-A4B pair does not start; the others are measured without it,
+    # and a cache too small for a batch says so (that row is not the batch size it names).
+    saved = {
+        "pair": "26b-a4b",
+        "new_tokens": 128,
+        "results": {
+            "plain": {"startup_s": 30, "runs": {"1": _runs([50, 100, 100], None)}},
+            "ours-V2 k=3 field": {
+                "startup_s": 50,
+                "kv_capacity_requests": 4.5,
+                "runs": {"1": _runs([115, 230, 250], 3.3), "8": _runs([115, 230, 250], 3.3)},
+            },
+        },
+        "not_started": {"in-tree k=3 field": ["RuntimeError: a and b must have same reduction"]},
+    }
+    saved["results"]["plain"]["runs"]["8"] = _runs([50, 100, 100], None)
+    out = _tables(saved, tmp_path)
+    assert "in-tree k=3 field         did not start: RuntimeError: a and b must" in out
+    assert "KV cache holds 4.5 requests at once: B=8 ran partly queued" in out
+    targets = out.split("\ntargets:")[1]
+    assert "no in-tree run" in targets and "met" not in targets
+
+
+def test_engine_turns_leave_out_an_engine_that_does_not_start(tmp_path: Path) -> None:
+    from engine_turns import EngineTurns
+
+    turns = EngineTurns(tmp_path / "control")
+    failing = tmp_path / "fails.py"
+    failing.write_text("raise RuntimeError('a and b must have same reduction dim')\n")
+    ready = tmp_path / "ready.py"  # ready, one round, a result
+    ready.write_text(
+        "import sys, pathlib, time\n"
+        "a = sys.argv; i = a[a.index('--index') + 1]\n"
+        "c = pathlib.Path(a[a.index('--control') + 1])\n"
+        "(c / f'{i}.ready').touch()\n"
+        "while not (c / f'{i}.go0').exists(): time.sleep(0.01)\n"
+        "(c / f'{i}.done0').touch()\n"
+        "pathlib.Path(a[a.index('--out') + 1]).write_text('{\"runs\": {}}')\n"
+    )
+    env = dict(os.environ)
+    turns.start("in-tree", str(failing), [], env)
+    turns.start("ours", str(ready), [], env)
+    turns.wait_ready(60, drop_failed=True)
+    assert turns.not_started == {"in-tree": ["RuntimeError: a and b must have same reduction dim"]}
+    turns.take_turns(1)
+    assert turns.results() == {"ours": {"runs": {}}}
+
+
+def test_kv_cache_sized_for_the_largest_batch(tmp_path: Path) -> None:
+    # 31B's shape: 50 sliding layers of 16 KV heads x 256, 10 full ones of 4 x 512, K and V
+    # in bf16; 1 GiB holds ~1190 tokens of it, not 32 requests of 128 + 128 + 4.
+    from gemma4_spec.testing.e2b_shaped import _write_config_only
+    from gemma4_spec.testing.families import real_shape_configs
+
+    target = _write_config_only(real_shape_configs("31b")[0], tmp_path / "31b")  # as a run does
+    per_token = real_work.kv_bytes_per_token(target)
+    assert per_token == 50 * 2 * 16 * 256 * 2 + 10 * 2 * 4 * 512 * 2
+    assert real_work.kv_cache_bytes(target, 32, 3) == 32 * 260 * per_token * 5 // 4
+    assert real_work.kv_cache_bytes(target, 1, 3) == real_work.ENGINE["kv_cache_memory_bytes"]
