@@ -29,7 +29,8 @@
 #   profile-real: torch.profiler of real_work.py's engine variants on the trained pair (or
 #         e2b), B = 1 and 16, k = 3, engines started side by side and measured in turn
 #   real: the real-work benchmark (benchmarks/real_work.py; REAL_PAIR=e2b|trained,
-#         REAL_ARGS=<more arguments>), after 'install' or 'engine' in an earlier call
+#         REAL_ARGS=<more arguments, split at spaces>; arguments after 'real' pass through
+#         as given, e.g. --only "plain,ours-V2 k"), after 'install' or 'engine' in an earlier call
 #   tp2: on the two-GPU kind, after 'install': tests/test_gpu_tp.py, then real_work.py at TP=2
 #         (TP2_TEST_ONLY=1: the test alone)
 # With 30 MiB parts: 'part' calls carry one part each (copied to /tmp/stage); the call that
@@ -140,7 +141,7 @@ real)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
     pair=${REAL_PAIR:-e2b}
     timeout "${REAL_TIMEOUT:-570}" python3 benchmarks/real_work.py --pair "$pair" \
-        --workdir /tmp/real --json "$OUT/real_work_$pair.json" ${REAL_ARGS:-} \
+        --workdir /tmp/real --json "$OUT/real_work_$pair.json" ${REAL_ARGS:-} "${@:2}" \
         > "$OUT/real_work_$pair.log" 2>&1
     echo "real_work rc=$?"; grep -v "Capturing\|it/s" "$OUT/real_work_$pair.log" | tail -"${REAL_TAIL:-40}"
     ;;
