@@ -17,18 +17,22 @@ from pathlib import Path
 from typing import Any
 
 
-def engine_env(overrides: dict[str, str], cache_root: Path) -> dict[str, str]:
+def engine_env(
+    overrides: dict[str, str], cache_root: Path, core_in_process: bool = True
+) -> dict[str, str]:
     """The environment of one engine: ours plus ``overrides``; ``VLLM_PLUGINS`` only where the
     engine sets it (every installed plugin loads otherwise); its own compile caches, vLLM's and
     Triton's (no races, and each engine's first pass pays for its own kernel compilations, not
-    for those of an engine that ran before it); the engine core in the worker process (a
-    multiprocess start of ours hung once on the H200 before loading weights)."""
+    for those of an engine that ran before it). With ``core_in_process`` the engine core runs
+    in the worker process, beside the ``LLM`` front end (a multiprocess start of ours hung once
+    on the H200 before loading weights); without it, in a process of its own, vLLM's default,
+    where the front end's output processing overlaps the engine's steps."""
     env = dict(os.environ, **overrides)
     if "VLLM_PLUGINS" not in overrides:
         env.pop("VLLM_PLUGINS", None)
     env["VLLM_CACHE_ROOT"] = str(cache_root)
     env["TRITON_CACHE_DIR"] = str(cache_root / "triton")
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if core_in_process else "1"
     return env
 
 

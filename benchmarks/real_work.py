@@ -352,6 +352,13 @@ def main() -> int:
         default="{}",
         help="JSON of LLM(...) arguments over the defaults (null drops one)",
     )
+    parser.add_argument(
+        "--engine-core",
+        choices=("in-process", "own-process"),
+        default="in-process",
+        help="where each engine's core runs: beside its LLM front end (every run so far), or in "
+        "a process of its own (vLLM's default, what a server has)",
+    )
     parser.add_argument("--table", default=None, help="print the tables of a saved --json, only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
@@ -417,7 +424,11 @@ def main() -> int:
                 "--temperature",
                 str(args.temperature),
             ],  # fmt: skip
-            engine_env(config["env"], workdir / f"cache-{args.pair}-{index}"),
+            engine_env(
+                config["env"],
+                workdir / f"cache-{args.pair}-{index}",
+                core_in_process=args.engine_core == "in-process",
+            ),
         )
     # An engine that does not start (vLLM's own path on the 26B-A4B pair) is reported, and the
     # others are measured without it.
@@ -433,6 +444,7 @@ def main() -> int:
         "draft_method": args.draft_method,
         "tensor_parallel_size": args.tensor_parallel,
         "engine": json.loads(args.engine),
+        "engine_core": args.engine_core,
         "results": results,
         "not_started": turns.not_started,
     }
@@ -459,9 +471,12 @@ def print_tables(saved: dict[str, Any]) -> None:
     sampling = "greedy" if not temperature else f"temperature {temperature}"
     drafts = saved.get("draft_method", "greedy")
     tp = saved.get("tensor_parallel_size", 1)
+    core = saved.get("engine_core", "in-process")
     print(
         f"\n{saved['pair']} pair, {sampling}, {drafts} drafts, "
-        f"up to {saved['new_tokens']} new tokens a request" + (f", TP={tp}" if tp > 1 else "")
+        f"up to {saved['new_tokens']} new tokens a request"
+        + (f", TP={tp}" if tp > 1 else "")
+        + ("" if core == "in-process" else ", engine cores in their own processes")
     )
     print("steady tokens/s (x plain, x in-tree) | first pass x own steady | mean accepted length")
     print(f"{'configuration':24}{'start s':>8}" + "".join(f"{'B=' + b:>34}" for b in batches))

@@ -156,6 +156,22 @@ def test_each_engine_has_its_own_compile_caches(tmp_path: Path) -> None:
     )
 
 
+def test_engine_core_in_its_own_process_as_vllm_runs_it(tmp_path: Path) -> None:
+    # --engine-core own-process: vLLM's default (its core beside, not inside, the front end);
+    # the table says which a saved run used.
+    from engine_turns import engine_env
+
+    assert engine_env({}, tmp_path)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert engine_env({}, tmp_path, core_in_process=False)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "engine_core": "own-process",
+        "results": {"plain": {"startup_s": 30, "runs": {"1": _runs([50, 100, 100], None)}}},
+    }
+    assert "engine cores in their own processes" in _tables(saved, tmp_path)
+
+
 def test_targets_name_what_misses(tmp_path: Path) -> None:
     saved = {
         "pair": "e2b",
