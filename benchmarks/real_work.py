@@ -88,8 +88,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "spec": {},
     },
     # V2's own rejection sampling for greedy batches (patch/patch_v2_rejection_sampler.py
-    # off): what our greedy verification earns (nothing with synthetic acceptance, which
-    # always takes vLLM's path).
+    # off): what our greedy verification earns (with synthetic acceptance too, which it draws
+    # as V2 does).
     "ours-V2-vllmverify": {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_GREEDY_VERIFY": "0"},
         "spec": {},

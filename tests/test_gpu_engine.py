@@ -56,15 +56,19 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
     0.26 keeps process-global CUDA-graph state that a V1 engine leaves unfit for a later V2
     engine in the same process ("CUDA graph capturing detected at an inappropriate time"), so
     each runner gets its own process. Greedy float32 output does not depend on the runner."""
-    configs = _configs(root)
+    configs = _configs(root, v2=runner == "1")
     results = generate_in_subprocess(
         list(configs.values()), env={"VLLM_USE_V2_MODEL_RUNNER": runner}
     )
     return dict(zip(configs, results, strict=True))
 
 
-def _configs(root) -> dict[str, RunConfig]:  # type: ignore[no-untyped-def]
-    """name -> the engine of that name, for either runner."""
+# Synthetic acceptance (vLLM's benchmark mode): unconditional rates by draft position.
+SYNTHETIC_RATES = [0.9, 0.6, 0.3]
+
+
+def _configs(root, v2: bool = False) -> dict[str, RunConfig]:  # type: ignore[no-untyped-def]
+    """name -> the engine of that name, for either runner (``v2``: the V2-only ones too)."""
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
     configs = {}
@@ -94,6 +98,25 @@ def _configs(root) -> dict[str, RunConfig]:  # type: ignore[no-untyped-def]
                 assistant=str(drafter),
                 num_speculative_tokens=3,
             )
+            if v2:  # our greedy verification draws synthetic acceptance as V2 does
+                synthetic = {
+                    "method": "gemma4_mtp",
+                    "model": str(drafter),
+                    "num_speculative_tokens": 3,
+                    "rejection_sample_method": "synthetic",
+                    "synthetic_acceptance_rates": SYNTHETIC_RATES,
+                }
+                configs["tiny-synthetic"] = RunConfig(
+                    **dict(
+                        common,
+                        extra_engine_kwargs={
+                            **common["extra_engine_kwargs"],
+                            "speculative_config": synthetic,
+                        },
+                    ),
+                    assistant=str(drafter),
+                    num_speculative_tokens=3,
+                )
     return configs
 
 
@@ -108,6 +131,9 @@ def test_engine_configurations_build(tmp_path) -> None:  # type: ignore[no-untyp
         == configs["tiny-ours"].extra_engine_kwargs["kv_cache_memory_bytes"]
     )
     assert dynamic["speculative_config"]["num_speculative_tokens_per_batch_size"]
+    synthetic = _configs(tmp_path / "v2", v2=True)["tiny-synthetic"].extra_engine_kwargs
+    assert synthetic["speculative_config"]["rejection_sample_method"] == "synthetic"
+    assert "tiny-synthetic" not in configs  # V1's gate sends synthetic batches to vLLM
 
 
 @pytest.fixture(scope="module")
@@ -251,3 +277,19 @@ def test_dynamic_speculation_length(request, runner: str) -> None:  # type: igno
     metrics = ours.spec_metrics
     drafts = metrics["vllm:spec_decode_num_drafts"]
     assert drafts < metrics["vllm:spec_decode_num_draft_tokens"] < 3 * drafts  # both k ran
+
+
+@on_gpu
+def test_v2_synthetic_acceptance_through_our_greedy_verification(v2_runs) -> None:  # type: ignore[no-untyped-def]
+    # With vLLM's synthetic acceptance our verification runs (it draws as V2 does), and the
+    # drafts are kept by position at about the configured unconditional rates: the counters
+    # follow the profile, not the drafts (random-ish tiny weights accept far less by argmax).
+    ours = v2_runs["tiny-synthetic"]
+    assert ours.greedy_verify_batches > 0
+    metrics = ours.spec_metrics
+    drafts = metrics["vllm:spec_decode_num_drafts"]
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    rates = [n / drafts for n in per_pos]
+    assert drafts > 50
+    for got, want in zip(rates, SYNTHETIC_RATES, strict=True):
+        assert abs(got - want) < 0.2, (rates, SYNTHETIC_RATES)

@@ -18,6 +18,7 @@ import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
 from gemma4_spec.ops.greedy_verify import (
+    SyntheticAcceptance,
     compile_greedy_verify_rows,
     greedy_verify_rows,
     greedy_verify_rows_reference,
@@ -46,6 +47,23 @@ def test_reference_hand_worked() -> None:
     assert got.dtype == torch.int64 and counts.dtype == torch.int32
 
 
+def test_reference_hand_worked_synthetic_acceptance() -> None:
+    # The drafts are kept by the draws, not by the argmax: request 0 keeps its first two
+    # drafts (draws 0.1, 0.2 under rates 0.9, 0.5), whatever they are, and its third is
+    # drawn out (0.95 >= 0.3): that row's token replaces it. Request 1's first draft is vLLM's
+    # -1 placeholder: never kept. Request 2 keeps all: its bonus row's token follows.
+    best = torch.tensor([11, 12, 13, 14, 21, 22, 31, 32])
+    input_ids = torch.tensor([0, 99, 5, 6, 7, 98, -1, 97, 8, 9], dtype=torch.int32)
+    logits_indices = torch.tensor([1, 2, 3, 4, 5, 6, 7, 8])
+    rates = torch.tensor([0.9, 0.5, 0.3])
+    uniforms = torch.tensor([0.1, 0.2, 0.95, 0.0, 0.0, 0.0, 0.5, 0.0])
+    got, counts = greedy_verify_rows_reference(
+        best, input_ids, logits_indices, _i32(0, 4, 6, 8), 4, rates, uniforms
+    )
+    assert got.tolist() == [[5, 6, 13, -1], [21, -1, -1, -1], [8, 32, -1, -1]]
+    assert counts.tolist() == [3, 1, 2]
+
+
 def _random_batch(seed: int, device: str, max_rows: int = 5) -> tuple[torch.Tensor, ...]:
     """Requests of 1 to ``max_rows`` rows, drafts matching the best token with probability
     0.7."""
@@ -70,6 +88,69 @@ def _check_kernel_against_reference(device: str) -> None:
         got = greedy_verify_rows(best, input_ids, logits_indices, cu, 5)
         want = greedy_verify_rows_reference(best, input_ids, logits_indices, cu, 5)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+
+
+def _synthetic(seed: int, cu: torch.Tensor, rows: int, device: str) -> SyntheticAcceptance:
+    gen = torch.Generator().manual_seed(100 + seed)
+    num_reqs = cu.shape[0] - 1
+    return SyntheticAcceptance(
+        rates=torch.tensor([0.9, 0.6, 0.3, 0.5]).to(device),
+        seeds=torch.randint(0, 2**40, (num_reqs + 3,), generator=gen).to(device),
+        idx_mapping=torch.randperm(num_reqs + 3, generator=gen)[:num_reqs].int().to(device),
+        positions=torch.randint(0, 4000, (3 * rows,), generator=gen).to(device),
+    )
+
+
+def _draws(synthetic: SyntheticAcceptance, logits_indices: torch.Tensor, cu: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Each logits row's uniform, drawn as ``ops/greedy_verify.py`` defines it."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def draw(seeds_ptr, idx_ptr, pos_ptr, where_ptr, req_ptr, out_ptr):
+        r = tl.program_id(0)
+        seed = tl.load(seeds_ptr + tl.load(idx_ptr + tl.load(req_ptr + r)))
+        u = tl.rand(seed, tl.load(pos_ptr + tl.load(where_ptr + r)))
+        tl.store(out_ptr + r, tl.maximum(u, 4.6566127342e-10))
+
+    rows = (cu[1:] - cu[:-1]).long().cpu()
+    req = torch.repeat_interleave(torch.arange(rows.shape[0]), rows).to(cu.device)
+    out = torch.empty(int(rows.sum()), dtype=torch.float32, device=cu.device)
+    draw[(out.shape[0],)](
+        synthetic.seeds, synthetic.idx_mapping, synthetic.positions, logits_indices, req, out
+    )
+    return out
+
+
+def _check_synthetic_kernel_against_reference(device: str) -> None:
+    compile_greedy_verify_rows(torch.device(device), 5, torch.ones(4, device=device))
+    for seed in range(20):
+        best, input_ids, logits_indices, cu = _random_batch(seed, device)
+        input_ids[::7] = -1  # some of vLLM's placeholder drafts
+        synthetic = _synthetic(seed, cu, best.shape[0], device)
+        got = greedy_verify_rows(best, input_ids, logits_indices, cu, 5, synthetic)
+        uniforms = _draws(synthetic, logits_indices, cu)
+        want = greedy_verify_rows_reference(
+            best, input_ids, logits_indices, cu, 5, synthetic.rates, uniforms
+        )
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), seed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_synthetic_kernel_matches_reference_cuda() -> None:
+    _check_synthetic_kernel_against_reference("cuda")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA test covers it)")
+def test_synthetic_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
+    check_under_interpreter("test_v2_greedy_verify", "_check_synthetic_kernel_against_reference")
+
+
+def test_synthetic_acceptance_needs_the_kernel_to_draw() -> None:
+    best, input_ids, logits_indices, cu = _random_batch(0, "cpu")
+    with pytest.raises(ValueError, match="Triton"):
+        greedy_verify_rows(best, input_ids, logits_indices, cu, 5, _synthetic(0, cu, 9, "cpu"))
 
 
 def test_torch_fallback_is_the_reference() -> None:
@@ -144,7 +225,7 @@ BATCH = SimpleNamespace(idx_mapping_np=np.array([4, 1, 6]))
         ({"bias": [4]}, {}, None, False),  # logit bias, allowed tokens, min_tokens
         ({"penalty": [1]}, {}, None, False),
         ({"bad_words": [6]}, {}, None, False),
-        ({}, {"synthetic": True}, None, False),  # acceptance drawn, not compared
+        ({}, {"synthetic": True}, None, False),  # drawn by our kernel: not on CPU tensors
         ({}, {"block": True}, None, False),
         ({}, {}, torch.zeros(1), False),  # drafts with distributions
     ],
@@ -154,6 +235,15 @@ def test_gate_sends_what_it_cannot_reproduce_to_vllm(
 ) -> None:
     rs = _rejection_sampler(_sampler(**changes), **rejection)
     assert patch.greedy_verify_applies(rs, BATCH, draft_logits) is applies
+
+
+def test_gate_lets_synthetic_acceptance_through_where_the_kernel_draws(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(patch, "triton_usable", lambda device: True)
+    assert patch.greedy_verify_applies(_rejection_sampler(_sampler(), synthetic=True), BATCH, None)
+    sampled = _sampler(temperature={6: 0.7})
+    assert not patch.greedy_verify_applies(_rejection_sampler(sampled, synthetic=True), BATCH, None)
 
 
 # --- the wrapped sampler ----------------------------------------------------------------------
@@ -236,6 +326,41 @@ def test_wrapped_sampler_verifies_greedy_gemma4_batches_itself(
     assert rs(logits, batch, None) == "vllm's"
 
 
+def test_wrapped_sampler_hands_synthetic_acceptance_v2s_draw_inputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A synthetic-acceptance engine: our path gets the sampler's conditional rates, the
+    # requests' seeds, their state indices and the step's positions, V2's own draw inputs.
+    import gemma4_spec.ops.greedy_verify as ops
+
+    handed: list[Any] = []
+
+    def recording(*args: Any) -> Any:
+        handed.append(args[-1])
+        return greedy_verify_rows_reference(*args[:-1])
+
+    monkeypatch.delenv(GREEDY_VERIFY_ENV, raising=False)
+    monkeypatch.setattr(patch, "v2_greedy_verify_supported", lambda: True)
+    monkeypatch.setattr(patch, "triton_usable", lambda device: True)
+    monkeypatch.setattr(ops, "greedy_verify_rows", recording)
+    monkeypatch.setattr(ops, "compile_greedy_verify_rows", lambda *args: None)
+    module = _vllm_module()
+    patch.apply(module)
+    sampler = _sampler()
+    sampler.sampling_states.seeds = SimpleNamespace(gpu=torch.arange(STATES))
+    rs = module.RejectionSampler(sampler, _spec_config(True), "cpu")  # type: ignore[attr-defined]
+    rs.synthetic_conditional_rates = torch.tensor([0.9, 0.5, 0.2])
+    logits, batch, _ = _batch()
+    batch.idx_mapping = torch.zeros(3, dtype=torch.int32)
+    batch.positions = torch.arange(100)
+    rs(logits, batch, None)
+    (synthetic,) = handed
+    assert synthetic.rates is rs.synthetic_conditional_rates
+    assert synthetic.seeds is sampler.sampling_states.seeds.gpu
+    assert synthetic.idx_mapping is batch.idx_mapping
+    assert synthetic.positions is batch.positions
+
+
 def test_not_installed_where_the_gate_was_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
     from packaging.version import Version
 
@@ -272,29 +397,41 @@ def _check_against_vllms_rejection_sample(device: str) -> None:
     from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
 
     k, vocab = 3, 300
-    for seed in range(12):
+    for seed in range(24):
+        synthetic_run = seed >= 12  # the second half: synthetic acceptance
         best, input_ids, logits_indices, cu = _random_batch(seed, device, max_rows=k + 1)
         gen = torch.Generator().manual_seed(seed)
         logits = torch.randn(best.shape[0], vocab, generator=gen)
         logits[torch.arange(best.shape[0]), best] += 10.0  # the best token, by construction
-        num_reqs = cu.shape[0] - 1
         rows = (cu[1:] - cu[:-1]).long()
-        idx_mapping = torch.arange(num_reqs, dtype=torch.int32)
+        synthetic = _synthetic(seed, cu, input_ids.shape[0], device)
+        if synthetic_run:
+            input_ids[::5] = -1  # some of vLLM's placeholder drafts
+        idx_mapping = synthetic.idx_mapping
+        positions = synthetic.positions
         sampled, counts = rejection_sample(
             logits,
             None,
             input_ids[logits_indices],
             cu,
-            torch.arange(best.shape[0]),
+            positions[logits_indices],
             idx_mapping,
             torch.repeat_interleave(idx_mapping, rows),
             torch.cat([torch.arange(int(n), dtype=torch.int32) for n in rows]),
-            torch.zeros(num_reqs),  # temperature 0: greedy
-            torch.zeros(num_reqs, dtype=torch.int64),
+            torch.zeros(synthetic.seeds.shape[0]),  # temperature 0: greedy
+            synthetic.seeds,
             k,
+            synthetic.rates[:k] if synthetic_run else None,
         )
         ours, our_counts = greedy_verify_rows(
-            logits.argmax(dim=-1), input_ids, logits_indices, cu, k + 1
+            logits.argmax(dim=-1),
+            input_ids,
+            logits_indices,
+            cu,
+            k + 1,
+            SyntheticAcceptance(synthetic.rates[:k], synthetic.seeds, idx_mapping, positions)
+            if synthetic_run
+            else None,
         )
         assert our_counts.tolist() == counts.tolist(), seed
         for i, n in enumerate(counts.tolist()):  # vLLM leaves the rest of a row unwritten

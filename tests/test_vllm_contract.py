@@ -11,6 +11,7 @@ what they exist to flag.
 from __future__ import annotations
 
 import ast
+import importlib
 import inspect
 import re
 import textwrap
@@ -233,7 +234,7 @@ def _v2_greedy_verify_interfaces() -> Iterator[str]:
                 "req_states",
             ),
         ),  # fmt: skip
-        Attributes(f"{sample}.states:SamplingStates", ("temperature", "max_num_logprobs")),
+        Attributes(f"{sample}.states:SamplingStates", ("temperature", "max_num_logprobs", "seeds")),
         Exists(f"{sample}.states:NO_LOGPROBS"),
         Attributes(f"{sample}.logit_bias:LogitBiasState", ("use_logit_bias",)),
         Attributes(f"{sample}.penalties:PenaltiesState", ("use_penalty",)),
@@ -247,12 +248,23 @@ def _v2_greedy_verify_interfaces() -> Iterator[str]:
                 "cu_num_logits",
                 "seq_lens",
                 "idx_mapping",
+                "positions",
             ),
         ),  # fmt: skip
         Attributes("vllm.config:SpeculativeConfig", ("use_gemma4_mtp",)),
     )
     for contract in checks:
         yield from contract.problems()
+    # Synthetic acceptance: ours draws each row's uniform as V2 does (ops/greedy_verify.py).
+    draws = {
+        f"{sample}.gumbel": ("tl.rand(seed, offset)", "4.6566127342e-10"),
+        f"{module}_utils": ("tl_rand32(seed, pos, includes_zero=False)", "u < rate"),
+    }
+    for name, needles in draws.items():
+        source = inspect.getsource(importlib.import_module(name))
+        for needle in needles:
+            if needle not in source:
+                yield f"{name} no longer has {needle!r}: V2's synthetic draws may differ from ours"
     # Every state vLLM's apply_sampling_params reads is one the gate checks or one that keeps
     # an argmax (temperature, min_p, top_k / top_p): a new one must be looked at.
     source = inspect.getsource(resolve(f"{sample}.sampler:Sampler.apply_sampling_params"))

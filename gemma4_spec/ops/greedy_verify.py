@@ -22,9 +22,22 @@ position, ``input_ids[logits_indices[r + 1]]``. It outputs ``[R, width]`` int64 
 each request's last token) and each request's token count ``[R]`` int32, as V2's rejection
 sampler does for an all-greedy batch (``patch/patch_v2_rejection_sampler.py`` checks that);
 ``greedy_verify_rows`` is one Triton launch.
+
+With synthetic acceptance (vLLM's ``rejection_sample_method: "synthetic"``, a benchmark mode
+for random weights), a draft is not compared with the argmax: draft ``j`` of a request is kept
+while every draft before it was, it is a real token (not vLLM's ``-1`` placeholder) and a
+uniform draw ``u`` is below the configured conditional rate of position ``j``. A kept draft is
+output as itself, the first one not kept is replaced by its row's token, and a request that
+keeps all its drafts adds its bonus row's token, as in greedy verification. Model Runner V2
+draws ``u`` for the row at position ``p`` of a request with seed ``s`` as Triton's
+``rand(s, p)``, raised to at least ``2**-31``; ``greedy_verify_rows`` draws the same, so its
+tokens are V2's own (``tests/test_v2_greedy_verify.py`` compares them).
+``greedy_verify_rows_reference`` takes the draws as ``uniforms``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -78,26 +91,52 @@ def greedy_verify(
     return out
 
 
+@dataclass(frozen=True)
+class SyntheticAcceptance:
+    """What a synthetic-acceptance verification draws from: ``rates`` [k] float32 the
+    conditional acceptance rate of each draft position, ``seeds`` [max_reqs] int64 and
+    ``idx_mapping`` [R] int32 each request's seed (by its state index), ``positions`` the
+    step's token positions (read at ``logits_indices``)."""
+
+    rates: torch.Tensor
+    seeds: torch.Tensor
+    idx_mapping: torch.Tensor
+    positions: torch.Tensor
+
+
 def greedy_verify_rows_reference(
     best: torch.Tensor,
     input_ids: torch.Tensor,
     logits_indices: torch.Tensor,
     cu_num_logits: torch.Tensor,
     width: int,
+    rates: torch.Tensor | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``best`` [rows] the target's token per logits row; the drafts are read from
-    ``input_ids`` at ``logits_indices``: (tokens ``[R, width]``, counts ``[R]``)."""
+    ``input_ids`` at ``logits_indices``: (tokens ``[R, width]``, counts ``[R]``). With
+    ``rates`` [k] and ``uniforms`` [rows] (each row's draw), synthetic acceptance."""
     cu, best_list = cu_num_logits.tolist(), best.tolist()
     where, ids = logits_indices.tolist(), input_ids.tolist()
+    synthetic = rates is not None and uniforms is not None
+    rate, draw = (rates.tolist(), uniforms.tolist()) if synthetic else ([], [])  # type: ignore[union-attr]
     num_reqs = len(cu) - 1
     out = torch.full((num_reqs, width), NO_TOKEN, dtype=torch.int64)
     counts = torch.zeros(num_reqs, dtype=torch.int32)
     for i in range(num_reqs):
         start, rows = cu[i], cu[i + 1] - cu[i]
         for j in range(rows):
-            out[i, j] = best_list[start + j]
             counts[i] = j + 1
-            if j == rows - 1 or ids[where[start + j + 1]] != best_list[start + j]:
+            if j == rows - 1:  # the bonus row, or a row that scores no draft
+                out[i, j] = best_list[start + j]
+                break
+            draft = ids[where[start + j + 1]]
+            if synthetic:
+                kept = draft >= 0 and draw[start + j] < rate[j]
+            else:
+                kept = draft == best_list[start + j]
+            out[i, j] = draft if kept else best_list[start + j]
+            if not kept:
                 break
     return out.to(best.device), counts.to(best.device)
 
@@ -108,37 +147,59 @@ def greedy_verify_rows(
     logits_indices: torch.Tensor,
     cu_num_logits: torch.Tensor,
     width: int,
+    synthetic: SyntheticAcceptance | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``greedy_verify_rows_reference``, in one launch where Triton runs."""
+    """``greedy_verify_rows_reference``, in one launch where Triton runs; with ``synthetic``,
+    synthetic acceptance with V2's own draws (only where Triton runs: it draws them)."""
     if not triton_usable(best.device):
+        if synthetic is not None:
+            raise ValueError("synthetic acceptance draws its uniforms with Triton")
         return greedy_verify_rows_reference(best, input_ids, logits_indices, cu_num_logits, width)
     num_reqs = cu_num_logits.shape[0] - 1
     out = torch.empty((num_reqs, width), dtype=torch.int64, device=best.device)
     counts = torch.empty(num_reqs, dtype=torch.int32, device=best.device)
+    # Unused pointers where acceptance is compared (any tensor of the device will do).
+    rates, seeds, idx, positions = (
+        (synthetic.rates, synthetic.seeds, synthetic.idx_mapping, synthetic.positions)
+        if synthetic is not None
+        else (best, best, best, best)
+    )
     _verify_rows_kernel[(num_reqs,)](
         best, input_ids, logits_indices, cu_num_logits, out, counts, width,
-        BLOCK=triton.next_power_of_2(width),
+        rates, seeds, idx, positions,
+        BLOCK=triton.next_power_of_2(width), SYNTHETIC=synthetic is not None,
     )  # fmt: skip
     return out, counts
 
 
-def compile_greedy_verify_rows(device: torch.device, width: int) -> None:
+def compile_greedy_verify_rows(
+    device: torch.device, width: int, synthetic_rates: torch.Tensor | None = None
+) -> None:
     """Compiles ``greedy_verify_rows``' kernel for the argument types Model Runner V2 passes
-    (int64 argmax and logits indices, int32 input ids and offsets), so that an engine's first
-    greedy request does not (vLLM's start-up warm-up samples, and never takes this path)."""
+    (int64 argmax and logits indices, int32 input ids and offsets; with ``synthetic_rates``,
+    the synthetic-acceptance variant), so that an engine's first greedy request does not
+    (vLLM's start-up warm-up samples, and never takes this path)."""
     if not triton_usable(device):
         return
     rows = torch.zeros(1, dtype=torch.int64, device=device)
     offsets = torch.tensor([0, 1], dtype=torch.int32, device=device)
     ids = torch.zeros(2, dtype=torch.int32, device=device)
-    greedy_verify_rows(rows, ids, rows, offsets, width)
+    synthetic = None
+    if synthetic_rates is not None:
+        idx = torch.zeros(1, dtype=torch.int32, device=device)
+        synthetic = SyntheticAcceptance(synthetic_rates, rows, idx, rows)
+    greedy_verify_rows(rows, ids, rows, offsets, width, synthetic)
 
 
 if HAS_TRITON:
+    # Below any draw of ``tl.rand``: V2's floor for its uniforms (2 ** -31).
+    _RAND_FLOOR = tl.constexpr(4.6566127342e-10)
 
     @triton.jit
     def _verify_rows_kernel(
-        best_ptr, ids_ptr, where_ptr, cu_ptr, out_ptr, counts_ptr, width, BLOCK: tl.constexpr
+        best_ptr, ids_ptr, where_ptr, cu_ptr, out_ptr, counts_ptr, width,
+        rates_ptr, seeds_ptr, idx_ptr, pos_ptr,
+        BLOCK: tl.constexpr, SYNTHETIC: tl.constexpr,
     ):  # fmt: skip
         """Program i: request i's tokens and their count."""
         i = tl.program_id(0)
@@ -148,12 +209,21 @@ if HAS_TRITON:
         token = tl.load(best_ptr + start + j, mask=j < rows, other=-1)
         scores_draft = j < rows - 1
         at = tl.load(where_ptr + start + 1 + j, mask=scores_draft, other=0)
-        draft = tl.load(ids_ptr + at, mask=scores_draft, other=-1)
-        # Rows 0..m are kept, m = the first row whose draft differs (or the last row).
-        miss = scores_draft & (draft != token)
+        draft = tl.load(ids_ptr + at, mask=scores_draft, other=-1).to(tl.int64)
+        if SYNTHETIC:
+            seed = tl.load(seeds_ptr + tl.load(idx_ptr + i))
+            row_at = tl.load(where_ptr + start + j, mask=scores_draft, other=0)
+            pos = tl.load(pos_ptr + row_at, mask=scores_draft, other=0)
+            u = tl.maximum(tl.rand(seed, pos), _RAND_FLOOR)
+            rate = tl.load(rates_ptr + j, mask=scores_draft, other=0.0)
+            miss = scores_draft & ((draft < 0) | (u >= rate))
+        else:
+            miss = scores_draft & (draft != token)
+        # Rows 0..m are kept, m = the first row whose draft is not (or the last row); a kept
+        # draft is output as itself (greedy: it equals the row's token), row m as its token.
         first_miss = tl.min(tl.where(miss, j, rows - 1), axis=0)
-        keep = j <= first_miss
-        tl.store(out_ptr + i * width + j, tl.where(keep, token, -1), mask=j < width)
+        out = tl.where(j < first_miss, draft, tl.where(j == first_miss, token, -1))
+        tl.store(out_ptr + i * width + j, out, mask=j < width)
         tl.store(counts_ptr + i, first_miss + 1)
 
     @triton.jit

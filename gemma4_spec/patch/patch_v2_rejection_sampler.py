@@ -8,7 +8,10 @@ allocated on the way. For an all-greedy batch where nothing changes the logits
 (``greedy_verify_applies``), the result is each row's argmax compared with the drafts: one
 argmax over all rows and one launch (``ops/greedy_verify.greedy_verify_rows``) give the same
 tokens and counts; vLLM's own ``get_num_sampled_and_rejected`` then corrects them for prompt
-chunks, as vLLM's path does.
+chunks, as vLLM's path does. With synthetic acceptance (vLLM's benchmark mode for random
+weights) V2 runs the same kernels and draws acceptance instead of comparing: ours draws it the
+same way, so a synthetic-acceptance benchmark times the verification that real greedy traffic
+gets, for ours as for vLLM's own.
 
 Wraps: ``vllm.v1.worker.gpu.spec_decode.rejection_sampler.RejectionSampler.__init__`` (a
 sampler built for a gemma4_mtp engine carries a ``GreedyVerifyStats``, unless
@@ -28,6 +31,7 @@ import numpy as np
 import torch
 
 from gemma4_spec.compat import v2_greedy_verify_supported
+from gemma4_spec.ops.centroid_argmax_triton import triton_usable
 from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.patch.patch_rejection_sampler import (
     GREEDY_VERIFY_ATTR,
@@ -41,16 +45,18 @@ V2_REJECTION_SAMPLER_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
 
 def greedy_verify_applies(rejection_sampler: Any, input_batch: Any, draft_logits: Any) -> bool:
     """Whether V2's rejection sampling would keep exactly the drafts that equal the argmax of
-    the logits it is given, and add the argmax after them: greedy requests (temperature 0),
-    drafts without distributions, no synthetic acceptance or block verification, and nothing
-    that changes the logits or asks for logprobs. min_p, top_k and top_p only mask tokens below
-    the best one: they never change an argmax."""
+    the logits it is given (or, with synthetic acceptance, the drafts its draws accept), and add
+    the argmax after them: greedy requests (temperature 0), drafts without distributions, no
+    block verification, nothing that changes the logits or asks for logprobs, and for
+    synthetic acceptance logits where our kernel runs (it draws as V2's does). min_p, top_k and
+    top_p only mask tokens below the best one: they never change an argmax."""
     from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
     rs = rejection_sampler
-    if draft_logits is not None or rs.synthetic_conditional_rates is not None:
+    if draft_logits is not None or rs.use_block_verification:
         return False
-    if rs.use_block_verification:
+    rates = rs.synthetic_conditional_rates
+    if rates is not None and not triton_usable(rates.device):
         return False
     sampler = rs.sampler
     idx = input_batch.idx_mapping_np
@@ -70,7 +76,11 @@ def apply(module: ModuleType) -> None:
         return
     if not v2_greedy_verify_supported():
         return
-    from gemma4_spec.ops.greedy_verify import compile_greedy_verify_rows, greedy_verify_rows
+    from gemma4_spec.ops.greedy_verify import (
+        SyntheticAcceptance,
+        compile_greedy_verify_rows,
+        greedy_verify_rows,
+    )
 
     vllms_init = sampler_class.__init__
     vllms_call = sampler_class.__call__
@@ -83,7 +93,11 @@ def apply(module: ModuleType) -> None:
         check = getattr(spec_config, "use_gemma4_mtp", None)
         if callable(check) and check() and not turned_off(GREEDY_VERIFY_ENV):
             setattr(self, GREEDY_VERIFY_ATTR, GreedyVerifyStats())
-            compile_greedy_verify_rows(torch.device(device), self.num_speculative_steps + 1)
+            compile_greedy_verify_rows(
+                torch.device(device),
+                self.num_speculative_steps + 1,
+                self.synthetic_conditional_rates,
+            )
 
     @functools.wraps(vllms_call)
     def __call__(self: Any, logits: Any, input_batch: Any, draft_logits: Any = None) -> Any:
@@ -92,12 +106,21 @@ def apply(module: ModuleType) -> None:
             return vllms_call(self, logits, input_batch, draft_logits)
         stats.batches += 1
         num_nans = module.get_num_nans(logits) if self.sampler.compute_nans else None
+        synthetic = None
+        if self.synthetic_conditional_rates is not None:
+            synthetic = SyntheticAcceptance(
+                self.synthetic_conditional_rates,
+                self.sampler.sampling_states.seeds.gpu,
+                input_batch.idx_mapping,
+                input_batch.positions,
+            )
         sampled, num_sampled = greedy_verify_rows(
             logits.argmax(dim=-1),
             input_batch.input_ids,
             input_batch.logits_indices,
             input_batch.cu_num_logits,
             self.num_speculative_steps + 1,
+            synthetic,
         )
         num_sampled, num_rejected = module.get_num_sampled_and_rejected(
             num_sampled,
