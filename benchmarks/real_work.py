@@ -286,9 +286,23 @@ def _worker(args: argparse.Namespace) -> None:
     faulthandler.cancel_dump_traceback_later()
     capacity = kv_capacity_requests(llm, PROMPT_LEN + NEW_TOKENS + config["k"] + 1)
     prompts = _prompts(args.pair, target, max(batches))
-    params = SamplingParams(
-        max_tokens=NEW_TOKENS, temperature=args.temperature, ignore_eos=args.pair in RANDOM_PAIRS
+    # On Model Runner V2, greedy requests get a seed each, the same in every round and engine:
+    # it changes no token, and fixes V2's synthetic acceptance draws (by request seed and
+    # position), so every round and engine accepts the same drafts at the same steps: equal
+    # work, compared. Not for sampled requests (a seed changes V2's sampling path) nor on V1
+    # (its rejection sampler draws a seeded request's uniforms in a loop of its own).
+    seeded = args.temperature == 0 and getattr(
+        llm.llm_engine.vllm_config, "use_v2_model_runner", False
     )
+    params = [
+        SamplingParams(
+            max_tokens=NEW_TOKENS,
+            temperature=args.temperature,
+            ignore_eos=args.pair in RANDOM_PAIRS,
+            seed=i if seeded else None,
+        )
+        for i in range(max(batches))
+    ]
     control = Path(args.control)
     worker_ready(control, args.index)
 
@@ -298,7 +312,7 @@ def _worker(args: argparse.Namespace) -> None:
         for b in batches:
             before = spec_metrics(llm.get_metrics())
             start = time.perf_counter()
-            outputs = llm.generate(prompts[:b], params, use_tqdm=False)
+            outputs = llm.generate(prompts[:b], params[:b], use_tqdm=False)
             wall = time.perf_counter() - start
             acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
