@@ -124,17 +124,11 @@ DYNAMIC_K_SCHEDULE = [[1, 1, 3], [2, 64, 1]]
 
 
 def _dynamic_k_config(base: dict, assistant: str) -> RunConfig:  # type: ignore[type-arg]
-    spec = {
-        "method": "gemma4_mtp",
-        "model": assistant,
-        "num_speculative_tokens": 3,
-        "num_speculative_tokens_per_batch_size": DYNAMIC_K_SCHEDULE,
-    }
     return RunConfig(
         **base,
         assistant=assistant,
         num_speculative_tokens=3,
-        extra_engine_kwargs={"speculative_config": spec},
+        speculative_options={"num_speculative_tokens_per_batch_size": DYNAMIC_K_SCHEDULE},
     )
 
 

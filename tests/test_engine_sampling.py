@@ -156,16 +156,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ]
     # Drafts sampled from the assistant's distribution over its top-k centroids' tokens (zero
     # elsewhere), whose probabilities the rejection sampler then reads.
-    probabilistic = dict(
-        method="gemma4_mtp",
-        model=str(assistant),
-        num_speculative_tokens=3,
-        draft_sample_method="probabilistic",
-    )
     configs.append(
         RunConfig(
             **base,
-            extra_engine_kwargs={**engine, "speculative_config": probabilistic},
+            assistant=str(assistant),
+            num_speculative_tokens=3,
+            speculative_options={"draft_sample_method": "probabilistic"},
+            extra_engine_kwargs=engine,
             seed=SPECULATIVE_SEED,
         )
     )

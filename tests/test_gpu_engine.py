@@ -21,6 +21,7 @@ from gemma4_spec.testing.engine_run import (
     PLUGIN_PROPOSER,
     PLUGIN_V2_SPECULATOR,
     RunConfig,
+    engine_kwargs,
     generate_in_subprocess,
     gpu_run_fields,
 )
@@ -56,7 +57,7 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
     0.26 keeps process-global CUDA-graph state that a V1 engine leaves unfit for a later V2
     engine in the same process ("CUDA graph capturing detected at an inappropriate time"), so
     each runner gets its own process. Greedy float32 output does not depend on the runner."""
-    configs = _configs(root, v2=runner == "1")
+    configs = _configs(_pairs(root), v2=runner == "1")
     results = generate_in_subprocess(
         list(configs.values()), env={"VLLM_USE_V2_MODEL_RUNNER": runner}
     )
@@ -67,56 +68,32 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
 SYNTHETIC_RATES = [0.9, 0.6, 0.3]
 
 
-def _configs(root, v2: bool = False) -> dict[str, RunConfig]:  # type: ignore[no-untyped-def]
-    """name -> the engine of that name, for either runner (``v2``: the V2-only ones too)."""
+def _configs(pairs, v2: bool = False) -> dict[str, RunConfig]:  # type: ignore[no-untyped-def]
+    """name -> the engine of that name on ``pairs`` (``_pairs``), for either runner (``v2``:
+    the V2-only ones too)."""
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
     configs = {}
-    for name, tgt, drafter in _pairs(root):
+    for name, tgt, drafter in pairs:
         common = gpu_run_fields(str(tgt), prompts, MAX_TOKENS)
+        ours = dict(common, assistant=str(drafter), num_speculative_tokens=3)
         configs[f"{name}-plain"] = RunConfig(**common)
-        configs[f"{name}-ours"] = RunConfig(
-            **common, assistant=str(drafter), num_speculative_tokens=3
-        )
+        configs[f"{name}-ours"] = RunConfig(**ours)
         if name == "tiny":  # vLLM's dynamic speculation length: k = 3 alone, k = 1 for four
-            batched = dict(common, request_batches=[1, len(prompts) - 1])
-            spec = {
-                "method": "gemma4_mtp",
-                "model": str(drafter),
-                "num_speculative_tokens": 3,
-                "num_speculative_tokens_per_batch_size": [[1, 1, 3], [2, 64, 1]],
-            }
-            configs["tiny-plain-batched"] = RunConfig(**batched)
+            batches = [1, len(prompts) - 1]
+            schedule = [[1, 1, 3], [2, 64, 1]]
+            configs["tiny-plain-batched"] = RunConfig(**common, request_batches=batches)
             configs["tiny-dynamic-k"] = RunConfig(
-                **dict(
-                    batched,
-                    extra_engine_kwargs={
-                        **batched["extra_engine_kwargs"],
-                        "speculative_config": spec,
-                    },
-                ),
-                assistant=str(drafter),
-                num_speculative_tokens=3,
+                **ours,
+                request_batches=batches,
+                speculative_options={"num_speculative_tokens_per_batch_size": schedule},
             )
             if v2:  # our greedy verification draws synthetic acceptance as V2 does
                 synthetic = {
-                    "method": "gemma4_mtp",
-                    "model": str(drafter),
-                    "num_speculative_tokens": 3,
                     "rejection_sample_method": "synthetic",
                     "synthetic_acceptance_rates": SYNTHETIC_RATES,
                 }
-                configs["tiny-synthetic"] = RunConfig(
-                    **dict(
-                        common,
-                        extra_engine_kwargs={
-                            **common["extra_engine_kwargs"],
-                            "speculative_config": synthetic,
-                        },
-                    ),
-                    assistant=str(drafter),
-                    num_speculative_tokens=3,
-                )
+                configs["tiny-synthetic"] = RunConfig(**ours, speculative_options=synthetic)
     return configs
 
 
@@ -124,14 +101,15 @@ def test_engine_configurations_build(tmp_path) -> None:  # type: ignore[no-untyp
     # Runs everywhere (CPU too): the engines this module starts on a GPU can be described at
     # all (a broken description fails every GPU test of the module at set-up), and the dynamic
     # one keeps the GPU engines' arguments beside its speculative config.
-    configs = _configs(tmp_path)
-    dynamic = configs["tiny-dynamic-k"].extra_engine_kwargs
+    pairs = _pairs(tmp_path)
+    configs = _configs(pairs)
+    dynamic = engine_kwargs(configs["tiny-dynamic-k"])
     assert (
         dynamic["kv_cache_memory_bytes"]
-        == configs["tiny-ours"].extra_engine_kwargs["kv_cache_memory_bytes"]
+        == engine_kwargs(configs["tiny-ours"])["kv_cache_memory_bytes"]
     )
     assert dynamic["speculative_config"]["num_speculative_tokens_per_batch_size"]
-    synthetic = _configs(tmp_path / "v2", v2=True)["tiny-synthetic"].extra_engine_kwargs
+    synthetic = engine_kwargs(_configs(pairs, v2=True)["tiny-synthetic"])
     assert synthetic["speculative_config"]["rejection_sample_method"] == "synthetic"
     assert "tiny-synthetic" not in configs  # V1's gate sends synthetic batches to vLLM
 

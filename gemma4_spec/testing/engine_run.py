@@ -72,6 +72,9 @@ class RunConfig:
     tensor_parallel_size: int = 1
     # Small values force chunked prefill of long prompts; None keeps vLLM's default.
     max_num_batched_tokens: int | None = None
+    # Further ``speculative_config`` entries over the ones ``assistant`` and
+    # ``num_speculative_tokens`` give (e.g. ``{"rejection_sample_method": "synthetic"}``).
+    speculative_options: dict[str, Any] = field(default_factory=dict)
     # Further ``vllm.LLM`` keyword arguments (JSON-serialisable), applied last.
     extra_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # One dict of ``SamplingParams`` arguments per prompt, over the defaults above (e.g.
@@ -189,6 +192,7 @@ def engine_kwargs(config: RunConfig, *, single_process: bool = False) -> dict[st
             "method": "gemma4_mtp",
             "model": config.assistant,
             "num_speculative_tokens": config.num_speculative_tokens,
+            **config.speculative_options,
         }
     kwargs.update(config.extra_engine_kwargs)
     return kwargs
