@@ -205,11 +205,17 @@ def kv_bytes_per_token(target: Path) -> int:
     return total
 
 
+def request_tokens(k: int) -> int:
+    """The most tokens a request holds in the KV cache: its prompt, its new tokens and a
+    verification step's ``k`` drafts and bonus token."""
+    return PROMPT_LEN + NEW_TOKENS + k + 1
+
+
 def kv_cache_bytes(target: Path, max_batch: int, k: int) -> int:
     """What one engine's KV cache is given: ``ENGINE``'s, or more where the largest batch of
-    prompts and new tokens (and a step's drafts) would not fit it, with a quarter to spare for
-    block rounding; too small a cache queues requests, and the batch measured is not ``B``."""
-    need = max_batch * (PROMPT_LEN + NEW_TOKENS + k + 1) * kv_bytes_per_token(target)
+    requests (``request_tokens``) would not fit it, with a quarter to spare for block
+    rounding; too small a cache queues requests, and the batch measured is not ``B``."""
+    need = max_batch * request_tokens(k) * kv_bytes_per_token(target)
     return max(ENGINE["kv_cache_memory_bytes"], need * 5 // 4)
 
 
@@ -284,7 +290,7 @@ def _worker(args: argparse.Namespace) -> None:
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - started
     faulthandler.cancel_dump_traceback_later()
-    capacity = kv_capacity_requests(llm, PROMPT_LEN + NEW_TOKENS + config["k"] + 1)
+    capacity = kv_capacity_requests(llm, request_tokens(config["k"]))
     prompts = _prompts(args.pair, target, max(batches))
     # On Model Runner V2, greedy requests get a seed each, the same in every round and engine:
     # it changes no token, and fixes V2's synthetic acceptance draws (by request seed and
