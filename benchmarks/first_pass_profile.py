@@ -2,7 +2,9 @@
 configurations, in this process, warmed at batch 1 (unless ``--cold``: then the first batch
 size's first pass is the engine's very first request), then the first and the second pass at
 each batch size under cProfile (the host's view: compiles, captures, synchronisations show as
-Python calls).
+Python calls). For each batch size it lists the functions whose time grew most from the second
+pass to the first (what the first pass does more of), and the CUDA caching allocator's device
+allocations and frees in each pass (``cudaMalloc`` / ``cudaFree`` where the pool lacks a block).
 
     python benchmarks/first_pass_profile.py --variant ours-V1 --batch 8,16
     python benchmarks/first_pass_profile.py --variant ours-V2 --pair e2b --batch 1,8 --cold
@@ -51,6 +53,40 @@ class TritonCompiles:
                     print(f"    at start-up: {earlier}")
 
 
+def _by_function(profile: cProfile.Profile) -> dict[str, tuple[int, float, float]]:
+    """(calls, own seconds, cumulative seconds) by ``file:line(function)``."""
+    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+    return {
+        f"{Path(file).name}:{line}({func})": (calls, own, cumulative)
+        for (file, line, func), (_, calls, own, cumulative, _) in stats.items()
+    }
+
+
+def print_growth(first: cProfile.Profile, second: cProfile.Profile, top: int) -> None:
+    """The functions whose own time (then cumulative time) grew most from the second pass to the
+    first, with their call counts in both."""
+    a, b = _by_function(first), _by_function(second)
+    for column, label in ((1, "own"), (2, "cumulative")):
+        grown = sorted(
+            a, key=lambda name: a[name][column] - b.get(name, (0, 0.0, 0.0))[column], reverse=True
+        )
+        print(f"first pass minus second, {label} time (ms; calls first / second):")
+        for name in grown[:top]:
+            then = b.get(name, (0, 0.0, 0.0))
+            delta = (a[name][column] - then[column]) * 1e3
+            print(f"  {delta:8.2f}  {a[name][0]:6d} / {then[0]:<6d} {name}")
+
+
+def device_allocations() -> tuple[int, int]:
+    """The caching allocator's device allocations and frees so far (0, 0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0, 0
+    stats = torch.cuda.memory_stats()
+    return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=real_work.PAIRS, default="trained")
@@ -90,14 +126,22 @@ def main() -> int:
     for _ in range(0 if args.cold else 2):
         llm.generate(prompts[:1], params, use_tqdm=False)
     for b in batches:
+        profiles: list[cProfile.Profile] = []
         for which in ("first", "second"):
             profile = cProfile.Profile()
+            profiles.append(profile)
             compiles.phase = f"B={b} {which} pass"
+            allocs, frees = device_allocations()
             start = time.perf_counter()
             profile.enable()
             llm.generate(prompts[:b], params, use_tqdm=False)
             profile.disable()
-            print(f"\n=== B={b} {which} pass: {time.perf_counter() - start:.3f} s")
+            wall = time.perf_counter() - start
+            allocs_after, frees_after = device_allocations()
+            print(
+                f"\n=== B={b} {which} pass: {wall:.3f} s; device allocations "
+                f"{allocs_after - allocs}, frees {frees_after - frees} (in this process)"
+            )
             if args.triton_compiles:
                 compiles.report(compiles.phase)
             if args.callees:
@@ -114,6 +158,7 @@ def main() -> int:
                 out = io.StringIO()
                 pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(15)
                 print(out.getvalue()[-3000:])
+        print_growth(profiles[0], profiles[1], args.top)
     return 0
 
 
