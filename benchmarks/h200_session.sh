@@ -104,7 +104,10 @@ vllm|install|engine)  # install alone: vLLM without the tests (then e2e in the s
         done
         timeout 560 python3 -m pytest -q -k "not v2" tests/test_gpu_engine.py \
             > "$OUT/test_gpu_engine_v1.log" 2>&1 &
-        timeout 560 python3 -m pytest -q -k v2 tests/test_gpu_engine.py \
+        # The V2 half without the cross-runner check (test_v2_drafts_equal_our_v1_proposers),
+        # which starts the V1 half's engines again in its process: with both it outgrows one
+        # call (13 engines, about a minute each); name it in ENGINE_EXTRA to run it alone.
+        timeout 560 python3 -m pytest -q -k "v2 and not v1_proposers" tests/test_gpu_engine.py \
             > "$OUT/test_gpu_engine_v2.log" 2>&1
         echo "engine test V2 rc=$?"; wait; echo "all done"
         for f in "$OUT"/test_*.log; do echo "== $f"; tail -4 "$f"; done
