@@ -4,7 +4,8 @@ size's first pass is the engine's very first request), then the first and the se
 each batch size under cProfile (the host's view: compiles, captures, synchronisations show as
 Python calls). For each batch size it lists the functions whose time grew most from the second
 pass to the first (what the first pass does more of), and the CUDA caching allocator's device
-allocations and frees in each pass (``cudaMalloc`` / ``cudaFree`` where the pool lacks a block).
+allocations and frees in each pass (``cudaMalloc`` / ``cudaFree`` where the pool lacks a block),
+and the time the garbage collector ran in it (cProfile charges that to whatever allocated).
 
     python benchmarks/first_pass_profile.py --variant ours-V1 --batch 8,16
     python benchmarks/first_pass_profile.py --variant ours-V2 --pair e2b --batch 1,8 --cold
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import pstats
 import sys
@@ -77,6 +79,32 @@ def print_growth(first: cProfile.Profile, second: cProfile.Profile, top: int) ->
             print(f"  {delta:8.2f}  {a[name][0]:6d} / {then[0]:<6d} {name}")
 
 
+class GcPauses:
+    """Seconds and collections of Python's garbage collector, by generation, since ``reset``."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def reset(self) -> None:
+        self.seconds, self.collections = [0.0, 0.0, 0.0], [0, 0, 0]
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+            self.collections[info["generation"]] += 1
+
+    def __str__(self) -> str:
+        return ", ".join(
+            f"gen{g} {n} x {s * 1e3:.1f} ms"
+            for g, (n, s) in enumerate(zip(self.collections, self.seconds, strict=True))
+        )
+
+
 def device_allocations() -> tuple[int, int]:
     """The caching allocator's device allocations and frees so far (0, 0 without CUDA)."""
     import torch
@@ -125,6 +153,7 @@ def main() -> int:
     compiles.phase = "warm-up requests"
     for _ in range(0 if args.cold else 2):
         llm.generate(prompts[:1], params, use_tqdm=False)
+    pauses = GcPauses()
     for b in batches:
         profiles: list[cProfile.Profile] = []
         for which in ("first", "second"):
@@ -132,6 +161,7 @@ def main() -> int:
             profiles.append(profile)
             compiles.phase = f"B={b} {which} pass"
             allocs, frees = device_allocations()
+            pauses.reset()
             start = time.perf_counter()
             profile.enable()
             llm.generate(prompts[:b], params, use_tqdm=False)
@@ -140,7 +170,8 @@ def main() -> int:
             allocs_after, frees_after = device_allocations()
             print(
                 f"\n=== B={b} {which} pass: {wall:.3f} s; device allocations "
-                f"{allocs_after - allocs}, frees {frees_after - frees} (in this process)"
+                f"{allocs_after - allocs}, frees {frees_after - frees} (in this process); "
+                f"garbage collection {pauses}"
             )
             if args.triton_compiles:
                 compiles.report(compiles.phase)
