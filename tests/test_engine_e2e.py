@@ -224,3 +224,14 @@ def test_dynamic_speculation_length(runs) -> None:  # type: ignore[no-untyped-de
     assert drafts < m["vllm:spec_decode_num_draft_tokens"] < 3 * drafts  # both k ran
     assert dynamic.token_ids == in_tree.token_ids
     assert dynamic.spec_metrics == in_tree.spec_metrics
+
+
+def test_logits_processor_plugins_load_at_start_up(runs) -> None:  # type: ignore[no-untyped-def]
+    # vLLM scans every installed distribution for logits-processor plugins the first time it
+    # checks a request; for a gemma4_mtp engine the plugin has the front end scan while the
+    # engine starts (patch/patch_input_processor.py), out of the first request. Plain decoding
+    # and the in-tree version keep vLLM's timing: the fact can be false.
+    assert runs["centroids-k3"].logits_processors_loaded_at_startup
+    assert runs["full-vocab-dynamic-k"].logits_processors_loaded_at_startup
+    assert not runs["plain"].logits_processors_loaded_at_startup
+    assert not runs["in-tree-full-vocab-k3"].logits_processors_loaded_at_startup

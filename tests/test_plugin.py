@@ -7,6 +7,7 @@ touch (``_registered``, vLLM's ModelRegistry entry, the hooks' pending table) ba
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -29,6 +30,7 @@ from gemma4_spec.patch import (
     patch_cpu_generators,
     patch_engine_args,
     patch_gpu_model_runner,
+    patch_input_processor,
     patch_rejection_sampler,
     patch_top_k_only,
     patch_triton_attn,
@@ -110,6 +112,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_top_k_only.TOPK_TOPP_MODULE,
         patch_cpu_generators.RUNNER_MODULE,
         patch_v2_warmup.WORKER_MODULE,
+        patch_input_processor.INPUT_PROCESSOR_MODULE,
         patch_v2_speculator.SPECULATOR_MODULE,
         patch_v2_rejection_sampler.V2_REJECTION_SAMPLER_MODULE,
     ]
@@ -123,6 +126,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_top_k_only.apply,
         patch_cpu_generators.apply,
         patch_v2_warmup.apply,
+        patch_input_processor.apply,
         patch_v2_speculator.apply,
         patch_v2_rejection_sampler.apply,
     ]
@@ -448,6 +452,72 @@ def test_the_request_cap_is_restored_when_a_warm_up_round_fails(
     assert runner.scheduler_config.max_num_seqs == 64
 
 
+class _ShapeRunner:
+    """A V2 runner as the shape warm-up reads it: records each logits row count and each
+    dummy forward's size (CPU tensors)."""
+
+    def __init__(self, method: str | None) -> None:
+        from types import SimpleNamespace
+
+        import torch
+
+        self.vllm_config = _FakeConfig(method, default=True)
+        self.vllm_config.compilation_config = SimpleNamespace(max_cudagraph_capture_size=512)
+        self.scheduler_config = SimpleNamespace(max_num_seqs=4)
+        self.fail_at_two = False
+        self.max_num_reqs, self.decode_query_len, self.max_num_tokens = 4, 3, 3000
+        self.model_config = SimpleNamespace(get_hidden_size=lambda: 8)
+        self.dtype, self.device = torch.float32, torch.device("cpu")
+        self.logits_rows: list[int] = []
+        self.forwards: list[tuple[int, dict[str, Any]]] = []
+        self.model = SimpleNamespace(
+            compute_logits=lambda states: self.logits_rows.append(states.shape[0])
+        )
+
+    def _dummy_run(self, size: int, **kwargs: Any) -> None:
+        self.forwards.append((size, kwargs))
+
+
+@pytest.mark.parametrize(
+    ("method", "env", "warms"),
+    [
+        ("gemma4_mtp", "1", True),
+        ("gemma4_mtp", None, False),  # opt-in: off unless GEMMA4_SPEC_SHAPE_WARMUP=1
+        ("eagle", "1", False),
+    ],
+)
+def test_gemm_shapes_of_a_first_request_are_warmed_when_asked(
+    monkeypatch: pytest.MonkeyPatch, method: str, env: str | None, warms: bool
+) -> None:
+    monkeypatch.delenv(patch_v2_warmup.PREFILL_WARMUP_ENV, raising=False)
+    if env is None:
+        monkeypatch.delenv(patch_v2_warmup.SHAPE_WARMUP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(patch_v2_warmup.SHAPE_WARMUP_ENV, env)
+    runner = _ShapeRunner(method)
+    _patched_worker_module([]).warmup_kernels(runner, "execute", "sample")
+    if not warms:
+        assert runner.logits_rows == [] and runner.forwards == []
+        return
+    assert runner.logits_rows == list(range(1, 13))  # every count up to 4 requests x (1 + 2)
+    assert [size for size, _ in runner.forwards] == [1024, 2048, 3000]
+    assert all(kw == {"skip_eplb": True, "remove_lora": False} for _, kw in runner.forwards)
+
+
+@pytest.mark.parametrize(
+    ("largest", "limit", "sizes"),
+    [
+        (512, 8192, [1024, 2048, 4096, 8192]),
+        (512, 3000, [1024, 2048, 3000]),
+        (500, 1024, [512, 1024]),
+        (8192, 8192, []),  # every size a step can have is captured
+        (0, 4, [1, 2, 4]),  # no graphs
+    ],
+)
+def test_prefill_sizes_of_the_shape_warm_up(largest: int, limit: int, sizes: list[int]) -> None:
+    assert patch_v2_warmup.prefill_sizes(largest, limit) == sizes
+
+
 def test_real_gpu_worker_warm_up_is_patched_in_engine_processes() -> None:
     result = run_python(
         "import json\n"
@@ -528,3 +598,87 @@ def test_v2_draft_loop_is_gated_to_the_vllm_it_was_read_in() -> None:
     assert v2_draft_loop_supported(Version("0.26.0"))
     assert not v2_draft_loop_supported(Version("0.32.0"))
     assert not v2_draft_loop_supported(Version("0.33.0"))
+
+
+# --- the logits-processor plugins loaded when the front end starts (patch_input_processor) ------
+
+
+def _input_processor_module(eager_v2: bool) -> ModuleType:
+    """A module with an InputProcessor like vLLM's (``eager_v2``: with the constructor-time
+    checker of vLLM 0.32+ Model Runner V2), patched twice."""
+
+    class InputProcessor:
+        def __init__(self, vllm_config: Any, renderer: Any = None, *, mm_registry: Any = None):
+            self.vllm_config = vllm_config
+
+    if eager_v2:
+        setattr(InputProcessor, patch_input_processor.EAGER_V2_CHECKER, lambda self: None)
+    module = ModuleType("fake_vllm_input_processor")
+    module.InputProcessor = InputProcessor  # type: ignore[attr-defined]
+    patch_input_processor.apply(module)
+    once = InputProcessor.__init__
+    patch_input_processor.apply(module)  # idempotent
+    assert InputProcessor.__init__ is once
+    return module
+
+
+@pytest.mark.parametrize(
+    ("method", "v2", "eager_v2", "env", "loads"),
+    [
+        ("gemma4_mtp", False, False, None, True),  # vLLM 0.26, V1
+        ("gemma4_mtp", True, False, None, True),  # vLLM 0.26, V2: lazy as well
+        ("gemma4_mtp", False, True, None, True),  # 0.32+ on V1: still lazy
+        ("gemma4_mtp", True, True, None, False),  # 0.32+ on V2: vLLM loads them at start-up
+        ("gemma4_mtp", False, False, "0", False),  # GEMMA4_SPEC_EARLY_LOGITSPROCS=0
+        ("eagle", False, False, None, False),  # other engines keep vLLM's timing
+        (None, False, False, None, False),
+    ],
+)
+def test_logits_processor_plugins_load_when_the_front_end_starts(
+    monkeypatch: pytest.MonkeyPatch,
+    method: str | None,
+    v2: bool,
+    eager_v2: bool,
+    env: str | None,
+    loads: bool,
+) -> None:
+    from types import SimpleNamespace
+
+    if env is None:
+        monkeypatch.delenv(patch_input_processor.EARLY_LOGITSPROCS_ENV, raising=False)
+    else:
+        monkeypatch.setenv(patch_input_processor.EARLY_LOGITSPROCS_ENV, env)
+    loaded: list[Any] = []
+    monkeypatch.setattr(patch_input_processor, "load_logitsprocs_now", loaded.append)
+    model_config = SimpleNamespace(logits_processors=None)
+    config = SimpleNamespace(
+        speculative_config=None if method is None else _FakeSpec(method),
+        use_v2_model_runner=v2,
+        model_config=model_config,
+    )
+    processor = _input_processor_module(eager_v2).InputProcessor(config, renderer="r")  # type: ignore[attr-defined]
+    assert processor.vllm_config is config  # vLLM's constructor ran, with its arguments
+    assert loaded == ([model_config] if loads else [])
+
+
+@pytest.mark.parametrize("configured", [None, ["my_pkg.MyProcessor"]])
+def test_the_early_load_fills_the_cache_vllms_request_check_reads(
+    monkeypatch: pytest.MonkeyPatch, configured: list[str] | None
+) -> None:
+    # Against the installed vLLM: after the early load, vLLM's own check of a request finds
+    # the classes in its cache (a hit, no new load), under the key it derives itself.
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.v1.sample import logits_processor
+
+    loads: list[Any] = []
+    # The cache wraps vLLM's loader; a stand-in for the loader keeps the test off the
+    # installed distributions and any named class.
+    fake = functools.lru_cache(lambda key: loads.append(key) or [])
+    monkeypatch.setattr(logits_processor, "cached_load_custom_logitsprocs", fake)
+    patch_input_processor.load_logitsprocs_now(SimpleNamespace(logits_processors=configured))
+    assert len(loads) == 1
+    logits_processor.validate_logits_processors_parameters(configured, SamplingParams())
+    assert len(loads) == 1, "vLLM's request check loaded again: the key differs"
+    assert fake.cache_info().hits == 1

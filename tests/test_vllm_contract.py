@@ -328,6 +328,23 @@ def _idle_logits_processors() -> Iterator[str]:
         yield from Attributes(path, (attribute,)).problems()
 
 
+def _logitsprocs_cache_we_fill() -> Iterator[str]:
+    """patch/patch_input_processor.py fills the cache vLLM's request check reads, under the key
+    it reads it by: the model's ``logits_processors`` as a tuple (None when unset)."""
+    from vllm.v1.sample import logits_processor
+
+    from gemma4_spec.patch.patch_input_processor import CACHED_LOADER
+
+    if not hasattr(logits_processor, CACHED_LOADER):
+        yield f"vllm.v1.sample.logits_processor has no {CACHED_LOADER}"
+        return
+    source = inspect.getsource(logits_processor.validate_logits_processors_parameters)
+    if f"{CACHED_LOADER}(logits_processors)" not in source:
+        yield f"validate_logits_processors_parameters no longer calls {CACHED_LOADER}"
+    if "tuple(logits_processors) if logits_processors is not None else None" not in source:
+        yield "validate_logits_processors_parameters keys its cache another way"
+
+
 # vLLM's rejection-sampling methods the greedy gate knows: "standard"; "synthetic" (the
 # sampler's synthetic_mode); "block" (Model Runner V2 only; V1's sampler runs it as standard);
 # "fly" (0.33, the sampler's use_fly).
@@ -694,6 +711,29 @@ CONTRACTS: tuple[Contract, ...] = (
         positional=("model_runner", "worker_execute_model", "worker_sample_tokens"),
     ),
     Attributes("vllm.config:SchedulerConfig", ("max_num_seqs",)),
+    # patch/patch_v2_warmup.py, the opt-in shape warm-up: what it reads of V2's runner, and the
+    # dummy forward it calls as vLLM's worker does for its compile sizes.
+    Attributes(
+        "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
+        (
+            "max_num_reqs",
+            "decode_query_len",
+            "max_num_tokens",
+            "dtype",
+            "device",
+            "model",
+            "model_config",
+        ),
+    ),
+    Params(
+        "vllm.v1.worker.gpu.model_runner:GPUModelRunner._dummy_run",
+        positional=("num_tokens",),
+        keywords=("skip_eplb",),
+    ),
+    Attributes("vllm.config:CompilationConfig", ("max_cudagraph_capture_size",)),
+    # patch/patch_input_processor.py: the constructor we wrap, and the cache it fills.
+    Params("vllm.v1.engine.input_processor:InputProcessor.__init__", positional=("vllm_config",)),
+    Check("logits-processor cache the front end fills", _logitsprocs_cache_we_fill),
     # patch/patch_vllm_config.py: the property we wrap and the variable it reads.
     Exists("vllm.config.vllm:VllmConfig.use_v2_model_runner", "property"),
     Exists("vllm.envs:VLLM_USE_V2_MODEL_RUNNER"),

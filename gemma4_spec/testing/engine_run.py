@@ -11,6 +11,7 @@ multiprocessing executor starts one worker process per rank.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from typing import Any
 from gemma4_spec.metrics import Acceptance, spec_metrics
 from gemma4_spec.ops.graphed_launch import captures_in_process
 from gemma4_spec.patch.patch_gpu_model_runner import RUNNER_MODULE
+from gemma4_spec.patch.patch_input_processor import CACHED_LOADER, LOGITSPROCS_MODULE
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
 from gemma4_spec.patch.patch_triton_attn import flatten_replays_of, rewrites_of
 from gemma4_spec.spec_decode.computed_tokens import CORRECTION_NAME, GraphedCorrection
@@ -150,6 +152,9 @@ class RunResult:
     # With ``count_triton_compiles``: the kernel (and specialisation) of every Triton
     # compilation the worker ran while generating, after its start-up.
     triton_compiles: list[str] = field(default_factory=list)
+    # Whether the front end had loaded the logits-processor plugins when its engine finished
+    # starting (patch/patch_input_processor.py; vLLM 0.26 loads them in the first request).
+    logits_processors_loaded_at_startup: bool = False
     # The facts above as every worker reported them, in rank order (the fields hold rank 0's):
     # under tensor parallelism every rank drafts, and must take the same paths.
     rank_facts: list[dict[str, Any]] = field(default_factory=list)
@@ -213,7 +218,13 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
         )
     if config.sampling and len(config.sampling) != len(config.prompts):
         raise ValueError(f"{len(config.sampling)} sampling dicts for {len(config.prompts)} prompts")
+    logitsprocs_cache = _logitsprocs_cache()
+    if logitsprocs_cache is not None:
+        logitsprocs_cache.cache_clear()  # an earlier engine of this process may have filled it
     llm = LLM(**engine_kwargs(config, single_process=single_process))
+    loaded_at_startup = (
+        logitsprocs_cache is not None and logitsprocs_cache.cache_info().currsize > 0
+    )
     defaults: dict[str, Any] = dict(
         max_tokens=config.max_tokens,
         temperature=config.temperature,
@@ -238,6 +249,7 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
         all_token_ids=[[list(c.token_ids) for c in o.outputs] for o in outputs],
     )
     result.spec_metrics = spec_metrics(llm.get_metrics())
+    result.logits_processors_loaded_at_startup = loaded_at_startup
     runner = sys.modules.get("vllm.v1.worker.gpu_model_runner")
     if runner is not None:
         result.proposer_class = _class_path(runner.Gemma4Proposer)
@@ -252,6 +264,11 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     )
     del llm
     return result
+
+
+def _logitsprocs_cache() -> Any:
+    """vLLM's cache of the logits-processor classes its request check loads (None if absent)."""
+    return getattr(importlib.import_module(LOGITSPROCS_MODULE), CACHED_LOADER, None)
 
 
 def _class_path(cls: type) -> str:
