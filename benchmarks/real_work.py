@@ -102,6 +102,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"},
         "spec": {"num_speculative_tokens_per_batch_size": [[1, 8, 3], [9, 32, 2], [33, 1024, 1]]},
     },
+    # Diagnostic: every kernel of every CUDA module loaded when the process first uses CUDA
+    # (CUDA's own switch; torch picks lazy loading otherwise, which loads a kernel's module at
+    # its first launch). The first-pass profile put the growth of a first pass at B = 16 / 32 in
+    # the prefill GEMMs' own host time; if lazy loading is what a first pass pays for, this
+    # engine's first pass matches its steady rounds.
+    "ours-V2-eagerload": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "CUDA_MODULE_LOADING": "EAGER"},
+        "spec": {},
+    },
+    # Opt-in, unmeasured: the start-up launch of the GEMM shapes a first request meets outside
+    # CUDA graphs (patch/patch_v2_warmup.py, GEMMA4_SPEC_SHAPE_WARMUP): what a first pass at
+    # B = 16 / 32 gains beside ours-V2 and ours-V2-eagerload.
+    "ours-V2-shapewarm": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_SHAPE_WARMUP": "1"},
+        "spec": {},
+    },
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):
     # what it changes in a first pass.
     "ours-V2-nowarm": {
