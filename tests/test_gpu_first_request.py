@@ -74,6 +74,9 @@ def test_first_requests_compile_no_triton_kernel(runs) -> None:  # type: ignore[
     # Nor capture a graph of the plugin's per-step launches (flat verification's query
     # flattening): vLLM's start-up capture builds the same metadata over the same buffers.
     assert warmed.launch_graphs_captured_serving == 0
+    # Nor scan the installed distributions for logits-processor plugins: the front end did at
+    # start-up (patch/patch_input_processor.py).
+    assert warmed.logits_processors_loaded_at_startup
 
 
 def test_without_our_warm_up_the_first_requests_compile(runs) -> None:  # type: ignore[no-untyped-def]
