@@ -11,9 +11,10 @@ cache with the same key, so the scan runs at start-up and the first request find
 plugin that fails to load then fails the start, as it would have failed the first request.
 
 Only for engines drafting with gemma4_mtp (others keep vLLM's timing), and only where vLLM
-checks lazily: vLLM 0.26 everywhere, and 0.27 - 0.33 on Model Runner V1. On 0.32+ Model Runner
-V2 builds its own checker in the processor's constructor (``_build_logits_processors_params_
-validator``), so there is nothing left to move. ``GEMMA4_SPEC_EARLY_LOGITSPROCS=0`` turns it off.
+checks lazily: on 0.26 on either runner, on 0.32 and 0.33 on Model Runner V1. There, Model
+Runner V2 loads its own classes in the processor's constructor (``_build_logits_processors_
+params_validator``), so there is nothing left to move. ``GEMMA4_SPEC_EARLY_LOGITSPROCS=0``
+turns it off.
 """
 
 from __future__ import annotations
