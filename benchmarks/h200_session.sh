@@ -170,7 +170,8 @@ profile)  # ours k=2 and plain V1 at batch 1 (PROFILE_RUNS picks others)
     ;;
 profile-real)  # torch.profiler per engine variant (profile_decode.py), started side by side,
     # measured one at a time: PROFILE_VARIANTS (name[:draft-argmax] ...), PROFILE_PAIR,
-    # PROFILE_K, PROFILE_BATCH; PROFILE_PY=1 adds the Python side (cProfile)
+    # PROFILE_K, PROFILE_BATCH, PROFILE_ACCEPTANCE (e2b: zero, field or poor); PROFILE_PY=1
+    # adds the Python side (cProfile)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
     variants=${PROFILE_VARIANTS:-plain in-tree ours-V2 ours-V2:full-logits ours-V1}
     logs=()
@@ -181,6 +182,7 @@ profile-real)  # torch.profiler per engine variant (profile_decode.py), started 
             python3 benchmarks/profile_decode.py --pair "${PROFILE_PAIR:-trained}" \
             --variant "$v" --draft-argmax "$argmax" --k "${PROFILE_K:-3}" \
             --batch "${PROFILE_BATCH:-1,16}" --lock /tmp/profile.lock --workdir /tmp/real \
+            --acceptance "${PROFILE_ACCEPTANCE:-zero}" \
             --graph-census ${PROFILE_PY:+--py-profile} \
             > "${logs[-1]}" 2>&1 &
     done

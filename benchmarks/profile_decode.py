@@ -1,7 +1,8 @@
 """Profile decode steps of one engine: where the time of a step goes, CPU and GPU, with
 torch.profiler. For finding overheads, not for figures. The pairs and engine variants are
 ``real_work.py``'s (``--pair trained``: the shipped pair, real acceptance; ``e2b``: random
-E2B-shaped weights, nothing accepted).
+E2B-shaped weights, nothing accepted unless ``--acceptance`` picks one of vLLM's synthetic
+profiles).
 
     python benchmarks/profile_decode.py --pair trained --variant ours-V2 --k 3 --batch 16
         [--trace out.json]
@@ -40,6 +41,12 @@ def main() -> None:
         help="diagnostic: the greedy draft through our kernel's auto path, its centroid-major "
         "path only, or full-vocabulary logits and argmax (in this process)",
     )
+    parser.add_argument(
+        "--acceptance",
+        choices=(real_work.ZERO, *real_work.PROFILES),
+        default=real_work.ZERO,
+        help="random pairs: standard verification (nothing accepted) or a synthetic profile",
+    )
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=45)
@@ -58,7 +65,11 @@ def main() -> None:
     real_work.enter_variant(args.variant)  # before the draft-argmax choice imports vLLM
     os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # the runner's scopes
     _choose_draft_argmax(args.draft_argmax)
-    llm, target = real_work.start_in_process(args.pair, args.variant, args.k, Path(args.workdir))
+    if args.acceptance != real_work.ZERO and args.pair not in real_work.RANDOM_PAIRS:
+        parser.error("--acceptance is for the random pairs (the trained pair accepts its own)")
+    llm, target = real_work.start_in_process(
+        args.pair, args.variant, args.k, Path(args.workdir), args.acceptance
+    )
     batches = [int(b) for b in args.batch.split(",")]
     all_prompts = real_work._prompts(args.pair, target, max(batches))
     for batch in batches:

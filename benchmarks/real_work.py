@@ -130,6 +130,17 @@ DEFAULT_VARIANTS = ("in-tree", "ours-V1", "ours-V2")
 ENGINE_VARIANTS = ("plain", *VARIANTS)
 
 
+def acceptance_spec(profile: str, k: int) -> dict[str, Any]:
+    """The speculative-config additions of an acceptance profile: vLLM's synthetic acceptance
+    at the profile's first ``k`` rates, or nothing (``zero``, ``real``: standard verification)."""
+    if profile not in PROFILES:
+        return {}
+    return {
+        "rejection_sample_method": "synthetic",
+        "synthetic_acceptance_rates": PROFILES[profile][:k],
+    }
+
+
 def configurations(
     ks: list[int], profiles: list[str], variants: list[str], draft_method: str = "greedy"
 ) -> dict[str, dict[str, Any]]:
@@ -137,12 +148,9 @@ def configurations(
     configs: dict[str, dict[str, Any]] = {"plain": {"env": PLAIN_ENV, "k": 0}}
     for profile in profiles:
         for k in ks:
-            spec: dict[str, Any] = {}
+            spec = acceptance_spec(profile, k)
             if draft_method != "greedy":
                 spec["draft_sample_method"] = draft_method
-            if profile in PROFILES:
-                spec["rejection_sample_method"] = "synthetic"
-                spec["synthetic_acceptance_rates"] = PROFILES[profile][:k]
             for variant in variants:
                 configs[f"{variant} k={k} {profile}"] = {
                     "env": VARIANTS[variant]["env"],
@@ -258,10 +266,13 @@ def enter_variant(variant: str) -> dict[str, Any]:
     return chosen["spec"]
 
 
-def start_in_process(pair: str, variant: str, k: int, workdir: Path) -> tuple[Any, Path]:
+def start_in_process(
+    pair: str, variant: str, k: int, workdir: Path, profile: str = ZERO
+) -> tuple[Any, Path]:
     """An engine of ``variant`` with ``k`` drafts (none for plain) on ``pair``, in this process
-    (``enter_variant``): the ``LLM`` and the target's path."""
-    spec = enter_variant(variant)
+    (``enter_variant``), verifying at acceptance ``profile``: the ``LLM`` and the target's
+    path."""
+    spec = {**acceptance_spec(profile, k), **enter_variant(variant)}
     from vllm import LLM
 
     target, assistant = _pair(pair, workdir)
