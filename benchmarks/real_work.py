@@ -2,9 +2,10 @@
 
 What a user feels, side by side in one run: every configuration is its own engine process
 (``VLLM_PLUGINS`` picks ours or the in-tree one; each on the model runner it picks by default,
-and ours also on Model Runner V2), started together, then timed in rounds, taking turns. Round
-0 is the **first pass** at each batch size, right after start-up with no warm-up (anything
-captured or compiled lazily shows there); the later rounds are the steady state.
+and ours also on Model Runner V2), started together, then timed in rounds, each batch size of
+a round in turn from engine to engine. Round 0 is the **first pass** at each batch size, right
+after start-up with no warm-up (anything captured or compiled lazily shows there); the later
+rounds are the steady state.
 
 Pairs and acceptance profiles:
 
@@ -341,8 +342,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     runs: dict[str, list[dict[str, Any]]] = {str(b): [] for b in batches}
     for rnd in range(args.rounds):
-        wait_turn(control, args.index, rnd)
-        for b in batches:
+        for turn, b in enumerate(batches, start=rnd * len(batches)):
+            wait_turn(control, args.index, turn)
             before = spec_metrics(llm.get_metrics())
             start = time.perf_counter()
             outputs = llm.generate(prompts[:b], params[:b], use_tqdm=False)
@@ -362,7 +363,7 @@ def _worker(args: argparse.Namespace) -> None:
             )
             if args.pair == "trained":  # compared with plain's in the tables
                 runs[str(b)][-1]["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
-        turn_done(control, args.index, rnd)
+            turn_done(control, args.index, turn)
     Path(args.out).write_text(
         json.dumps(
             {
@@ -482,7 +483,9 @@ def main() -> int:
     turns.wait_ready(args.start_timeout, drop_failed=True)
     ready = len(configs) - len(turns.not_started)
     print(f"{ready} engines ready after {time.perf_counter() - started:.0f} s", flush=True)
-    turns.take_turns(args.rounds)
+    # A turn is one batch size of one round: each engine's cell is timed seconds from the
+    # others' same cell, so the host's drift hits them alike.
+    turns.take_turns(args.rounds * len(args.batch.split(",")))
     results = turns.results()
     saved = {
         "pair": args.pair,
