@@ -161,6 +161,24 @@ def configurations(
     return configs
 
 
+ENGINE_CORES = ("in-process", "own-process")
+BOTH_CORES = "both"
+OWN_CORE = "own-core"  # the name suffix of an engine run both ways, in its own-process form
+
+
+def with_engine_cores(configs: dict[str, dict[str, Any]], mode: str) -> dict[str, dict[str, Any]]:
+    """``configs`` with where each engine core runs (``core_in_process``): all alike, or with
+    ``both`` each engine twice, in process and (named ``<name> own-core``) in its own, so the
+    two modes compare in one run. An own-core engine pairs with the own-core in-tree one."""
+    if mode != BOTH_CORES:
+        return {n: {**c, "core_in_process": mode == "in-process"} for n, c in configs.items()}
+    both: dict[str, dict[str, Any]] = {}
+    for name, config in configs.items():
+        both[name] = {**config, "core_in_process": True}
+        both[f"{name} {OWN_CORE}"] = {**config, "core_in_process": False}
+    return both
+
+
 # Pairs of random weights: synthetic acceptance, random prompts, no tokenizer, no end token.
 RANDOM_PAIRS = ("e2b", "e4b", "26b-a4b", "31b")
 CONFIG_ONLY_TARGETS = ("26b-a4b", "31b")  # weights drawn by the engine (load_format "dummy")
@@ -402,10 +420,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--engine-core",
-        choices=("in-process", "own-process"),
+        choices=(*ENGINE_CORES, BOTH_CORES),
         default="in-process",
         help="where each engine's core runs: beside its LLM front end (every run so far), or in "
-        "a process of its own (vLLM's default, what a server has)",
+        f"a process of its own (vLLM's default, what a server has); {BOTH_CORES}: every engine "
+        f"both ways, the second named '... {OWN_CORE}'",
     )
     parser.add_argument("--table", default=None, help="print the tables of a saved --json, only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -441,6 +460,7 @@ def main() -> int:
     if args.only:
         wanted = args.only.split(",")
         configs = {n: c for n, c in configs.items() if any(n.startswith(w) for w in wanted)}
+    configs = with_engine_cores(configs, args.engine_core)
 
     workdir = Path(args.workdir)
     started = time.perf_counter()
@@ -475,7 +495,7 @@ def main() -> int:
             engine_env(
                 config["env"],
                 workdir / f"cache-{args.pair}-{index}",
-                core_in_process=args.engine_core == "in-process",
+                core_in_process=config["core_in_process"],
             ),
         )
     # An engine that does not start (vLLM's own path on the 26B-A4B pair) is reported, and the
@@ -526,7 +546,11 @@ def print_tables(saved: dict[str, Any]) -> None:
         f"\n{saved['pair']} pair, {sampling}, {drafts} drafts, "
         f"up to {saved['new_tokens']} new tokens a request"
         + (f", TP={tp}" if tp > 1 else "")
-        + ("" if core == "in-process" else ", engine cores in their own processes")
+        + {
+            "in-process": "",
+            "own-process": ", engine cores in their own processes",
+            BOTH_CORES: f", engines named '{OWN_CORE}' with their cores in their own processes",
+        }[core]
     )
     print("steady tokens/s (x plain, x in-tree) | first pass x own steady | mean accepted length")
     print(f"{'configuration':24}{'start s':>8}" + "".join(f"{'B=' + b:>34}" for b in batches))

@@ -172,6 +172,47 @@ def test_engine_core_in_its_own_process_as_vllm_runs_it(tmp_path: Path) -> None:
     assert "engine cores in their own processes" in _tables(saved, tmp_path)
 
 
+def test_both_engine_cores_in_one_run(tmp_path: Path) -> None:
+    # --engine-core both: each engine twice, the second in its own process, and each own-core
+    # engine paired with the own-core in-tree one.
+    configs = real_work.configurations([3], ["real"], ["in-tree", "ours-V2"])
+    both = real_work.with_engine_cores(configs, "both")
+    assert list(both) == [
+        "plain",
+        "plain own-core",
+        "in-tree k=3 real",
+        "in-tree k=3 real own-core",
+        "ours-V2 k=3 real",
+        "ours-V2 k=3 real own-core",
+    ]
+    assert [c["core_in_process"] for c in both.values()] == [True, False] * 3
+    assert all(
+        not c["core_in_process"]
+        for c in real_work.with_engine_cores(configs, "own-process").values()
+    )
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "engine_core": "both",
+        "results": {
+            name: {"startup_s": 30, "runs": {"1": _runs(tps, 3.0)}}
+            for name, tps in [
+                ("in-tree k=3 real", [100, 100, 100]),
+                ("in-tree k=3 real own-core", [200, 200, 200]),
+                ("ours-V2 k=3 real", [130, 130, 130]),
+                ("ours-V2 k=3 real own-core", [220, 220, 220]),
+            ]
+        },
+    }
+    out = _tables(saved, tmp_path)
+    assert "engines named 'own-core' with their cores in their own processes" in out
+    steady = out.strip().split("\n\n")[0]  # the first table: steady tokens/s, x in-tree
+    ours, ours_own = (line for line in steady.splitlines() if line.startswith("ours-V2"))
+    assert "own-core" not in ours and "own-core" in ours_own
+    assert "1.30x" in ours  # against in-tree in process
+    assert "1.10x" in ours_own  # against in-tree in its own process
+
+
 def test_targets_name_what_misses(tmp_path: Path) -> None:
     saved = {
         "pair": "e2b",
