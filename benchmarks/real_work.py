@@ -234,18 +234,13 @@ def kv_bytes_per_token(target: Path) -> int:
     """An upper bound of the target's KV cache bytes per token (bf16): K and V of every layer
     that keeps its own (KV-shared layers read another's), sliding layers counted whole (the
     runs' sequences are shorter than any window)."""
+    from gemma4_spec.validation import layer_attention_shape
+
     config = json.loads((target / "config.json").read_text())
     text = config.get("text_config", config)
-    layers = text["layer_types"][: text["num_hidden_layers"] - text.get("num_kv_shared_layers", 0)]
-    total = 0
-    for kind in layers:
-        if kind == "full_attention":
-            heads = text.get("num_global_key_value_heads") or text["num_key_value_heads"]
-            dim = text.get("global_head_dim") or text["head_dim"]
-        else:
-            heads, dim = text["num_key_value_heads"], text["head_dim"]
-        total += 2 * heads * dim * 2
-    return total
+    own = text["num_hidden_layers"] - text.get("num_kv_shared_layers", 0)
+    shapes = [layer_attention_shape(text, layer) for layer in range(own)]
+    return sum(2 * heads * dim * 2 for heads, dim in shapes)
 
 
 def request_tokens(k: int) -> int:
