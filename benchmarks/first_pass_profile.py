@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import cprofile_rows  # noqa: E402
 import real_work  # noqa: E402
 
 from gemma4_spec.testing.engine_run import watch_triton_compiles  # noqa: E402
@@ -55,28 +56,19 @@ class TritonCompiles:
                     print(f"    at start-up: {earlier}")
 
 
-def _by_function(profile: cProfile.Profile) -> dict[str, tuple[int, float, float]]:
-    """(calls, own seconds, cumulative seconds) by ``file:line(function)``."""
-    stats = pstats.Stats(profile).stats  # type: ignore[attr-defined]
-    return {
-        f"{Path(file).name}:{line}({func})": (calls, own, cumulative)
-        for (file, line, func), (_, calls, own, cumulative, _) in stats.items()
-    }
-
-
 def print_growth(first: cProfile.Profile, second: cProfile.Profile, top: int) -> None:
     """The functions whose own time (then cumulative time) grew most from the second pass to the
     first, with their call counts in both."""
-    a, b = _by_function(first), _by_function(second)
+    a, b = cprofile_rows.by_function(first), cprofile_rows.by_function(second)
+    grown = cprofile_rows.difference(a, b)
     for column, label in ((1, "own"), (2, "cumulative")):
-        grown = sorted(
-            a, key=lambda name: a[name][column] - b.get(name, (0, 0.0, 0.0))[column], reverse=True
-        )
         print(f"first pass minus second, {label} time (ms; calls first / second):")
-        for name in grown[:top]:
-            then = b.get(name, (0, 0.0, 0.0))
-            delta = (a[name][column] - then[column]) * 1e3
-            print(f"  {delta:8.2f}  {a[name][0]:6d} / {then[0]:<6d} {name}")
+        for func, row in cprofile_rows.ranked(grown, column, top):
+            calls = b.get(func, cprofile_rows.NONE)[0]
+            print(
+                f"  {row[column] * 1e3:8.2f}  {a[func][0]:6.0f} / {calls:<6.0f} "
+                f"{cprofile_rows.label(func)}"
+            )
 
 
 class GcPauses:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+import cprofile_rows  # noqa: E402
 import real_work  # noqa: E402
 
 
@@ -199,35 +200,24 @@ def _print_python_profile(run: Any, tokens: int, rows: int) -> None:
     request, the Python functions (vLLM's, ours, torch's wrappers) with the most own time and
     the most cumulative time. Shows which host code a variant adds or saves, step for step."""
     import cProfile
-    import pstats
 
-    def profiled(n: int) -> dict[Any, tuple[float, float, float]]:
+    def profiled(n: int) -> dict[cprofile_rows.Function, cprofile_rows.Row]:
         profiler = cProfile.Profile()
         profiler.enable()
         try:
             run(n)
         finally:
             profiler.disable()
-        stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
-        return {func: (float(nc), tt, ct) for func, (_, nc, tt, ct, _) in stats.items()}
+        return cprofile_rows.by_function(profiler)
 
     base, full = profiled(1), profiled(1 + tokens)
-    per_token = {
-        func: tuple((a - b) / tokens for a, b in zip(row, base.get(func, (0.0,) * 3), strict=True))
-        for func, row in full.items()
-    }
-
-    def label(func: tuple[str, int, str]) -> str:
-        path, line, name = func
-        return f"{'/'.join(path.rsplit('/', 3)[-3:])}:{line}({name})"
-
+    per_token = cprofile_rows.difference(full, base, over=tokens)
     for column, what in ((1, "own"), (2, "cumulative")):
         print(f"Python functions by {what} time per output token (cProfile slows every call):")
-        ranked = sorted(per_token.items(), key=lambda kv: -kv[1][column])[:rows]
-        for func, (calls, own, cumulative) in ranked:
+        for func, (calls, own, cumulative) in cprofile_rows.ranked(per_token, column, rows):
             print(
                 f"  {own * 1e6:8.1f} us own {cumulative * 1e6:9.1f} us cum "
-                f"{calls:6.2f} calls  {label(func)}"
+                f"{calls:6.2f} calls  {cprofile_rows.label(func)}"
             )
     print(flush=True)
 
