@@ -115,12 +115,7 @@ def main() -> int:
     parser.add_argument("--batch", default="8,16")
     parser.add_argument("--workdir", default="/tmp/real")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument(
-        "--acceptance",
-        choices=(real_work.ZERO, *real_work.PROFILES),
-        default=real_work.ZERO,
-        help="random pairs: standard verification (nothing accepted) or a synthetic profile",
-    )
+    real_work.add_acceptance_option(parser)
     parser.add_argument("--cold", action="store_true", help="no warm-up request at batch 1")
     parser.add_argument(
         "--callees",
@@ -138,11 +133,7 @@ def main() -> int:
     if args.triton_compiles and not compiles.install():
         parser.error("--triton-compiles needs Triton")
 
-    if args.acceptance != real_work.ZERO and args.pair not in real_work.RANDOM_PAIRS:
-        parser.error("--acceptance is for the random pairs (the trained pair accepts its own)")
-    llm, target = real_work.start_in_process(
-        args.pair, args.variant, args.k, Path(args.workdir), args.acceptance
-    )
+    llm, target = real_work.start_profiled(parser, args)
     from vllm import SamplingParams
 
     batches = [int(b) for b in args.batch.split(",")]

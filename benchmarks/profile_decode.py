@@ -42,12 +42,7 @@ def main() -> None:
         help="diagnostic: the greedy draft through our kernel's auto path, its centroid-major "
         "path only, or full-vocabulary logits and argmax (in this process)",
     )
-    parser.add_argument(
-        "--acceptance",
-        choices=(real_work.ZERO, *real_work.PROFILES),
-        default=real_work.ZERO,
-        help="random pairs: standard verification (nothing accepted) or a synthetic profile",
-    )
+    real_work.add_acceptance_option(parser)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
     parser.add_argument("--rows", type=int, default=45)
@@ -66,11 +61,7 @@ def main() -> None:
     real_work.enter_variant(args.variant)  # before the draft-argmax choice imports vLLM
     os.environ.setdefault("VLLM_CUSTOM_SCOPES_FOR_PROFILING", "1")  # the runner's scopes
     _choose_draft_argmax(args.draft_argmax)
-    if args.acceptance != real_work.ZERO and args.pair not in real_work.RANDOM_PAIRS:
-        parser.error("--acceptance is for the random pairs (the trained pair accepts its own)")
-    llm, target = real_work.start_in_process(
-        args.pair, args.variant, args.k, Path(args.workdir), args.acceptance
-    )
+    llm, target = real_work.start_profiled(parser, args)
     batches = [int(b) for b in args.batch.split(",")]
     all_prompts = real_work._prompts(args.pair, target, max(batches))
     for batch in batches:

@@ -294,6 +294,25 @@ def start_in_process(
     return LLM(**engine_kwargs(pair, target, assistant, k, spec)), target
 
 
+def add_acceptance_option(parser: argparse.ArgumentParser) -> None:
+    """The profilers' ``--acceptance`` (``start_profiled`` reads it)."""
+    parser.add_argument(
+        "--acceptance",
+        choices=(ZERO, *PROFILES),
+        default=ZERO,
+        help="random pairs: standard verification (nothing accepted) or a synthetic profile",
+    )
+
+
+def start_profiled(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[Any, Path]:
+    """A profiler's engine (``start_in_process``) from its ``--pair``, ``--variant``, ``--k``,
+    ``--workdir`` and ``--acceptance``; a synthetic profile on the trained pair is refused
+    first."""
+    if args.acceptance != ZERO and args.pair not in RANDOM_PAIRS:
+        parser.error("--acceptance is for the random pairs (the trained pair accepts its own)")
+    return start_in_process(args.pair, args.variant, args.k, Path(args.workdir), args.acceptance)
+
+
 def _prompts(pair: str, target: Path, count: int) -> list[dict[str, Any]]:
     if pair in RANDOM_PAIRS:
         rng = random.Random(0)
