@@ -58,11 +58,17 @@ def checks_lazily(processor: type, vllm_config: Any) -> bool:
     return not (eager_v2 and getattr(vllm_config, "use_v2_model_runner", False))
 
 
-def load_logitsprocs_now(model_config: Any) -> None:
-    """Fill vLLM's cache of logits-processor classes under the key its request check uses."""
+def logitsprocs_cache() -> Any:
+    """vLLM's cache of the logits-processor classes its request check loads (an ``lru_cache``
+    over its loader), or None in a vLLM without it."""
     import importlib
 
-    loader = getattr(importlib.import_module(LOGITSPROCS_MODULE), CACHED_LOADER, None)
+    return getattr(importlib.import_module(LOGITSPROCS_MODULE), CACHED_LOADER, None)
+
+
+def load_logitsprocs_now(model_config: Any) -> None:
+    """Fill vLLM's cache of logits-processor classes under the key its request check uses."""
+    loader = logitsprocs_cache()
     if loader is None:
         return  # a vLLM without the cache: nothing to fill (the contract test names it)
     configured = getattr(model_config, "logits_processors", None)

@@ -11,7 +11,6 @@ multiprocessing executor starts one worker process per rank.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import re
@@ -26,7 +25,7 @@ from typing import Any
 from gemma4_spec.metrics import Acceptance, spec_metrics
 from gemma4_spec.ops.graphed_launch import captures_in_process
 from gemma4_spec.patch.patch_gpu_model_runner import RUNNER_MODULE
-from gemma4_spec.patch.patch_input_processor import CACHED_LOADER, LOGITSPROCS_MODULE
+from gemma4_spec.patch.patch_input_processor import logitsprocs_cache
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
 from gemma4_spec.patch.patch_triton_attn import flatten_replays_of, rewrites_of
 from gemma4_spec.spec_decode.computed_tokens import CORRECTION_NAME, GraphedCorrection
@@ -218,13 +217,11 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
         )
     if config.sampling and len(config.sampling) != len(config.prompts):
         raise ValueError(f"{len(config.sampling)} sampling dicts for {len(config.prompts)} prompts")
-    logitsprocs_cache = _logitsprocs_cache()
-    if logitsprocs_cache is not None:
-        logitsprocs_cache.cache_clear()  # an earlier engine of this process may have filled it
+    cache = logitsprocs_cache()
+    if cache is not None:
+        cache.cache_clear()  # an earlier engine of this process may have filled it
     llm = LLM(**engine_kwargs(config, single_process=single_process))
-    loaded_at_startup = (
-        logitsprocs_cache is not None and logitsprocs_cache.cache_info().currsize > 0
-    )
+    loaded_at_startup = cache is not None and cache.cache_info().currsize > 0
     defaults: dict[str, Any] = dict(
         max_tokens=config.max_tokens,
         temperature=config.temperature,
@@ -264,11 +261,6 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     )
     del llm
     return result
-
-
-def _logitsprocs_cache() -> Any:
-    """vLLM's cache of the logits-processor classes its request check loads (None if absent)."""
-    return getattr(importlib.import_module(LOGITSPROCS_MODULE), CACHED_LOADER, None)
 
 
 def _class_path(cls: type) -> str:
