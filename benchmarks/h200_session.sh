@@ -11,8 +11,8 @@
 #   (only its dist-info is needed, the code comes from the tree on PYTHONPATH: a wheel of the
 #   dist-info alone, 15 kB, leaves room for the MoE kernels beside part02 in the install call)
 # Then, on the device, one call each, back to back (the machine forgets /tmp when it goes cold):
-#   1. kernels  (carry .devexp/parts/vllm-trim.tar.xz.part00): kernel tests + benchmark, no
-#               vLLM needed (SWEEP=1: also the centroid path's block-size sweep, ~40 s);
+#   1. kernels  (carry .devexp/parts/vllm-trim.tar.xz.part00): kernel tests + benchmark (also
+#               with a zero row ending each batch, as graph padding), no vLLM needed (SWEEP=1: also the centroid path's block-size sweep, ~40 s);
 #               also stages part00 for step 2 ('stage' instead: only the
 #               per-step launch kernels' tests and host costs, in seconds)
 #   2. vllm     (carry part01, .devexp/wheels, .devexp/tf, .devexp/ours): installs vLLM, then
@@ -70,6 +70,10 @@ kernels)
     export PYTHONPATH=$PWD
     timeout 150 python3 benchmarks/centroid_argmax.py --tokens 1,2,3,4,5,8,16,32,64,256 \
         --reps 200 --json "$OUT/centroid_argmax.json" 2>&1 | tee "$OUT/centroid_argmax.log"
+    # A batch ending in a zero row, as a draft graph's padding rows are (every score ties)
+    timeout 100 python3 benchmarks/centroid_argmax.py --tokens 3,8,16,64,256 --zero-rows 1 \
+        --reps 200 --variants ours-auto,ours-select,in-tree \
+        --json "$OUT/centroid_argmax_zero_rows.json" 2>&1 | tee "$OUT/centroid_argmax_zero_rows.log"
     [ -n "${SWEEP:-}" ] && timeout 90 python3 benchmarks/centroid_argmax_sweep.py --reps 100 \
         2>&1 | grep -v Warning | tee "$OUT/centroid_sweep.log"
     timeout 300 python3 -m pytest -q tests/test_centroid_argmax_cuda.py tests/test_flat_queries.py \

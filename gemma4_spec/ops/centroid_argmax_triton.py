@@ -9,8 +9,9 @@ Top-k by rank: centroid ``c`` is picked iff ``rank(c) < top_k``, where ``rank(c)
 centroids with a larger score plus those with an equal score and a smaller index (scores
 compared as order-preserving int32 keys). Every centroid's rank is independent of the others',
 so the work spreads over many programs, and a picked centroid writes itself at its rank. The
-top-k-th largest of G >= top_k group maxima bounds the top-k-th score from below, so only the
-scores at or above it (few, for real data) can be picked and need a rank. Candidate rows are
+top-k-th best of G >= top_k group maxima, in the same order (score, then index), bounds the
+top-k-th centroid from below, so only the centroids at or above it (few, for real data, and
+about top_k when the scores tie) can be picked and need a rank. Candidate rows are
 read through ``draft_ids``: the token ids in centroid order, -1 for a suppressed token.
 
 * **small T** (``path="persistent"``, ``T < CENTROID_MIN_TOKENS``): one launch of
@@ -74,9 +75,7 @@ Caveats: the persistent kernel's barriers assume all its programs are resident t
 kernel running concurrently on another stream that holds SMs until this one finishes could
 deadlock it (nothing in the draft step does), and so would an occupancy over-estimate (the
 driver's answer caps ours for that reason). The first call for each T compiles the candidate
-P (a few seconds each): make it before graph capture. Many exact score ties at the ``top_k``
-boundary (e.g. an all-zero hidden state) make ``_select_rank_kernel`` (and phase 2) rank all
-``C`` scores against each other: correct, but slower.
+P (a few seconds each): make it before graph capture.
 
 The definition these kernels implement is ``centroid_argmax_fp32_reference``: everything in
 float32 from the given (e.g. bfloat16) values, centroid ties to the smallest centroid index,
@@ -473,8 +472,8 @@ if HAS_TRITON:
             # whose reductions synchronise the whole program (it showed in the CUDA test
             # test_counters_reset_after_every_path, T=1).
             own_key = _score_keys(scores_ptr + t * C, offs_c, c_ok, ".cg")
-            bound = _kth_group_max(all_key, K, BLOCK_ALL_C, GROUPS)
-            maybe = c_ok & (own_key >= bound)
+            bound_key, bound_idx = _kth_group_max(all_key, K, BLOCK_ALL_C, GROUPS)
+            maybe = c_ok & _reaches(own_key, offs_c, bound_key, bound_idx)
             if tl.max(maybe.to(tl.int32), axis=0) > 0:
                 if RANK_IN_REGISTERS:
                     rank = _rank_against(own_key, offs_c, all_key, offs_all, all_ok)
@@ -588,13 +587,30 @@ if HAS_TRITON:
 
     @triton.jit
     def _kth_group_max(key, K, BLOCK_ALL_C: tl.constexpr, GROUPS: tl.constexpr):
-        """The K-th largest of GROUPS (>= K) group maxima: K distinct keys reach it, so it is at
-        most the K-th largest key and no key below it can be picked. With more groups than K
-        it sits closer to the K-th largest key than the smallest group maximum does (at real
-        dims, 4K groups leave ~36 candidates per token where K groups leave ~130)."""
-        maxima = tl.max(tl.reshape(key, [GROUPS, BLOCK_ALL_C // GROUPS]), axis=1)
-        reaching = tl.sum((maxima[None, :] >= maxima[:, None]).to(tl.int32), axis=1)
-        return tl.max(tl.where(reaching >= K, maxima, -(2**31)), axis=0)
+        """The K-th best of GROUPS (>= K) group maxima in the ranking order (key descending,
+        then index ascending), as (key, index); group g holds centroids g, g + GROUPS, ....
+        The K group maxima at or above it are K distinct centroids, so nothing below it in
+        that order can be picked. With more groups than K it sits closer to the K-th best
+        centroid than the worst group maximum does (at real dims, 4K groups leave ~36
+        candidates per token where K groups leave ~130). Ordering by index as well keeps the
+        candidates few when scores tie: a row of equal scores (a zero or NaN hidden state, as
+        a CUDA graph's padding rows can hold) leaves the K smallest indices, not all C."""
+        idx = tl.reshape(tl.arange(0, BLOCK_ALL_C), [BLOCK_ALL_C // GROUPS, GROUPS])
+        key2 = tl.reshape(key, [BLOCK_ALL_C // GROUPS, GROUPS])
+        m_key = tl.max(key2, axis=0)
+        m_idx = tl.min(tl.where(key2 == m_key[None, :], idx, BLOCK_ALL_C), axis=0)
+        ahead = (m_key[None, :] > m_key[:, None]) | (
+            (m_key[None, :] == m_key[:, None]) & (m_idx[None, :] < m_idx[:, None])
+        )
+        kth = tl.sum(ahead.to(tl.int32), axis=1) == K - 1  # exactly one: the indices differ
+        bound_key = tl.max(tl.where(kth, m_key, -(2**31)), axis=0)
+        bound_idx = tl.min(tl.where(kth, m_idx, BLOCK_ALL_C), axis=0)
+        return bound_key, bound_idx
+
+    @triton.jit
+    def _reaches(key, idx, bound_key, bound_idx):
+        """Whether each (key, idx) is at or above the bound in the ranking order."""
+        return (key > bound_key) | ((key == bound_key) & (idx <= bound_idx))
 
     @triton.jit
     def _append_picks(t, rank, idx, chosen, sel_ptr, count_ptr, pick_ptr, picked_ptr, T, K):
@@ -625,15 +641,15 @@ if HAS_TRITON:
         GROUPS: tl.constexpr,  # a power of two >= K
         BLOCK_I: tl.constexpr,
     ):
-        """One program per token. The K-th largest of GROUPS >= K group maxima is at most the
-        K-th largest score, so only the scores at or above it (few, for real data) can be
-        picked; they are compacted and ranked among themselves (a smaller one cannot be
-        ahead of them)."""
+        """One program per token. Only the centroids at or above the bound of
+        ``_kth_group_max`` can be picked; they are compacted and ranked among themselves
+        (one below the bound cannot be ahead of them)."""
         t = tl.program_id(0)
         offs = tl.arange(0, BLOCK_ALL_C)
         ok = offs < C
         key = _score_keys(scores_ptr + t * C, offs, ok, "")
-        cand = ok & (key >= _kth_group_max(key, K, BLOCK_ALL_C, GROUPS))
+        bound_key, bound_idx = _kth_group_max(key, K, BLOCK_ALL_C, GROUPS)
+        cand = ok & _reaches(key, offs, bound_key, bound_idx)
         pos = tl.cumsum(cand.to(tl.int32), axis=0) - 1
         n = tl.sum(cand.to(tl.int32), axis=0)
         base = t * BLOCK_ALL_C
