@@ -1,6 +1,6 @@
 """Shared pytest hooks: figures that tests measure (e.g. acceptance rates) shown at the end of
 the run, so they appear in the CI log even with ``pytest -q``; a runner of code under Triton's
-interpreter."""
+interpreter; an environment switch set or unset for one test."""
 
 from __future__ import annotations
 
@@ -23,6 +23,20 @@ def report_figure(request: pytest.FixtureRequest) -> Callable[[str], None]:
         _FIGURES.append((request.node.nodeid, line))
 
     return record
+
+
+@pytest.fixture
+def set_env(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, str | None], None]:
+    """``set_env(name, value)``: the variable set to ``value`` for this test, or unset (its
+    default) where ``value`` is None."""
+
+    def set_or_unset(name: str, value: str | None) -> None:
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
+    return set_or_unset
 
 
 @pytest.fixture

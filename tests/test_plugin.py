@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -316,16 +317,13 @@ def _patched_config_module() -> ModuleType:
     ],
 )
 def test_gemma4_mtp_runner_choice(
-    monkeypatch: pytest.MonkeyPatch,
+    set_env: Callable[[str, str | None], None],
     method: str | None,
     env: str | None,
     default: bool,
     expected: bool,
 ) -> None:
-    if env is None:
-        monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    else:
-        monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", env)
+    set_env("VLLM_USE_V2_MODEL_RUNNER", env)
     module = _patched_config_module()
     assert module.VllmConfig(method, default).use_v2_model_runner is expected
 
@@ -423,16 +421,13 @@ def _runner(method: str | None, max_num_seqs: int, fail_at_two: bool = False) ->
     ],
 )
 def test_small_prefill_batches_are_warmed_for_gemma4_mtp(
-    monkeypatch: pytest.MonkeyPatch,
+    set_env: Callable[[str, str | None], None],
     method: str | None,
     max_num_seqs: int,
     env: str | None,
     expected: list[int],
 ) -> None:
-    if env is None:
-        monkeypatch.delenv(patch_v2_warmup.PREFILL_WARMUP_ENV, raising=False)
-    else:
-        monkeypatch.setenv(patch_v2_warmup.PREFILL_WARMUP_ENV, env)
+    set_env(patch_v2_warmup.PREFILL_WARMUP_ENV, env)
     seen: list[int] = []
     runner = _runner(method, max_num_seqs)
     _patched_worker_module(seen).warmup_kernels(runner, "execute", "sample")
@@ -487,13 +482,10 @@ class _ShapeRunner:
     ],
 )
 def test_gemm_shapes_of_a_first_request_are_warmed_when_asked(
-    monkeypatch: pytest.MonkeyPatch, method: str, env: str | None, warms: bool
+    set_env: Callable[[str, str | None], None], method: str, env: str | None, warms: bool
 ) -> None:
-    monkeypatch.delenv(patch_v2_warmup.PREFILL_WARMUP_ENV, raising=False)
-    if env is None:
-        monkeypatch.delenv(patch_v2_warmup.SHAPE_WARMUP_ENV, raising=False)
-    else:
-        monkeypatch.setenv(patch_v2_warmup.SHAPE_WARMUP_ENV, env)
+    set_env(patch_v2_warmup.PREFILL_WARMUP_ENV, None)
+    set_env(patch_v2_warmup.SHAPE_WARMUP_ENV, env)
     runner = _ShapeRunner(method)
     _patched_worker_module([]).warmup_kernels(runner, "execute", "sample")
     if not warms:
@@ -572,14 +564,15 @@ def _speculator_module() -> ModuleType:
     [(True, None, True), (True, "0", False), (False, None, False)],
 )
 def test_v2_draft_loop_replaces_vllms_speculator_where_supported(
-    monkeypatch: pytest.MonkeyPatch, supported: bool, env: str | None, ours: bool
+    monkeypatch: pytest.MonkeyPatch,
+    set_env: Callable[[str, str | None], None],
+    supported: bool,
+    env: str | None,
+    ours: bool,
 ) -> None:
     from gemma4_spec.spec_decode.runner_v2 import Gemma4LoopSpeculator
 
-    if env is None:
-        monkeypatch.delenv(patch_v2_speculator.V2_DRAFT_LOOP_ENV, raising=False)
-    else:
-        monkeypatch.setenv(patch_v2_speculator.V2_DRAFT_LOOP_ENV, env)
+    set_env(patch_v2_speculator.V2_DRAFT_LOOP_ENV, env)
     monkeypatch.setattr(patch_v2_speculator, "v2_draft_loop_supported", lambda: supported)
     module = _speculator_module()
     vllms = module.Gemma4Speculator  # type: ignore[attr-defined]
@@ -636,6 +629,7 @@ def _input_processor_module(eager_v2: bool) -> ModuleType:
 )
 def test_logits_processor_plugins_load_when_the_front_end_starts(
     monkeypatch: pytest.MonkeyPatch,
+    set_env: Callable[[str, str | None], None],
     method: str | None,
     v2: bool,
     eager_v2: bool,
@@ -644,10 +638,7 @@ def test_logits_processor_plugins_load_when_the_front_end_starts(
 ) -> None:
     from types import SimpleNamespace
 
-    if env is None:
-        monkeypatch.delenv(patch_input_processor.EARLY_LOGITSPROCS_ENV, raising=False)
-    else:
-        monkeypatch.setenv(patch_input_processor.EARLY_LOGITSPROCS_ENV, env)
+    set_env(patch_input_processor.EARLY_LOGITSPROCS_ENV, env)
     loaded: list[Any] = []
     monkeypatch.setattr(patch_input_processor, "load_logitsprocs_now", loaded.append)
     model_config = SimpleNamespace(logits_processors=None)

