@@ -39,7 +39,7 @@
 # V2 runner halves side by side (each is its own process).
 # ('install' is step 2 without its tests, to chain another step in the same call.)
 # Only committed code should be on the tree that travels: a half-written kernel breaks step 2.
-# Carry sizes (64 MiB with the tree, ~18 MiB): part00 + .devexp/tf; part01 alone; part02 +
+# Carry sizes (64 MiB with the tree, ~19 MiB): part00 alone (with .devexp/tf it is over); part01 alone; part02 +
 # .devexp/wheels + .devexp/tf + .devexp/ours; the MoE kernels in a call of their own. The machine
 # goes cold after 30 s without a call, and a cold machine has lost every staged part.
 set -uo pipefail
