@@ -4,6 +4,11 @@ of decoding without speculation, on Model Runner V2 (the plugin's default GPU ru
 V1 runner (our proposer, its whole-loop draft graphs). The no-centroid assistants (26B-A4B, 31B)
 draft through the full-vocabulary argmax kernel (``ops/vocab_argmax_triton.py``).
 
+Float32 on the GPU is not exact (Triton's attention multiplies in TF32), and a verification step
+runs other kernels than a decode step: where the target's two best tokens nearly tie, the runs
+may part. A divergence passes only where a float64 reference of the target scores both picks as
+tied (``gemma4_spec.testing.near_ties``), and equal prefixes must still cover most tokens.
+
 vLLM's own V1 path is reported to crash at start-up on the 26B-A4B pair ("a and b must have same
 reduction dim", vllm#48848); ``test_in_tree_v1_on_26b`` runs it on the tiny 26B shape and
 reports what it does, beside ours, which must run.
@@ -31,6 +36,7 @@ from gemma4_spec.testing.engine_run import (
 )
 from gemma4_spec.testing.families import FAMILIES, build_family_pair
 from gemma4_spec.testing.kv_norms import add_missing_k_norms
+from gemma4_spec.testing.near_ties import compared_tokens, divergences
 
 pytestmark = [
     pytest.mark.engine,
@@ -41,6 +47,8 @@ PROMPT_LENGTHS = (5, 21, 33, 40)
 MAX_TOKENS = 32
 K = 3
 RUNNERS = {"V1": "0", "V2": "1"}
+# Of plain's output tokens, the share ours must match before any (near-tie) divergence.
+MIN_COMPARED = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -154,13 +162,34 @@ def runs(
     runs.close()
 
 
+def _assert_equal_but_for_near_ties(
+    target: Path,
+    prompts: list[list[int]],
+    ours: RunResult,
+    plain: RunResult,
+    report_figure: Callable[[str], None],
+) -> None:
+    found = divergences(target, prompts, ours.token_ids, plain.token_ids)
+    for divergence in found:
+        report_figure(str(divergence))
+    assert all(d.explained for d in found), [str(d) for d in found if not d.explained]
+    assert compared_tokens(ours.token_ids, plain.token_ids) >= MIN_COMPARED
+
+
 @pytest.mark.parametrize("runner", list(RUNNERS))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_output_equals_no_speculation(runs: _Runs, family: str, runner: str) -> None:
+def test_greedy_output_equals_no_speculation(
+    runs: _Runs,
+    pairs: dict[str, tuple[Path, Path]],
+    prompts: list[list[int]],
+    family: str,
+    runner: str,
+    report_figure: Callable[[str], None],
+) -> None:
     plain, ours = runs.of(family, runner)
     assert ours.draft_model_class == PLUGIN_DRAFT_MODEL
-    assert ours.token_ids == plain.token_ids
     assert all(len(tokens) == MAX_TOKENS for tokens in ours.token_ids)
+    _assert_equal_but_for_near_ties(pairs[family][0], prompts, ours, plain, report_figure)
     metrics = ours.spec_metrics
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
@@ -170,7 +199,7 @@ def test_in_tree_v1_on_26b(runs: _Runs, report_figure: Callable[[str], None]) ->
     # Ours on the V1 runner starts and is lossless on this pair (the test above); vLLM's own V1
     # path is run here for the record: whether it starts, and how it fails if it does not.
     plain, ours = runs.of("26b-a4b", "V1")
-    assert ours.token_ids == plain.token_ids
+    assert all(len(tokens) == MAX_TOKENS for tokens in ours.token_ids)
     try:
         (in_tree,) = runs.results(("26b-a4b", IN_TREE))
     except RuntimeError as failure:
