@@ -28,7 +28,8 @@ Pairs and acceptance profiles:
 Greedy requests by default; ``--temperature`` samples instead (every engine alike), and
 ``--draft-method probabilistic`` has the speculative engines draft by sampling (vLLM's
 ``draft_sample_method``). Per (configuration, batch size, round): wall time, tokens, tokens/s,
-time per output token of a request, and the mean accepted length from vLLM's counters.
+time per output token of a request, and the mean accepted length from vLLM's counters. A steady
+round's cell runs its batch again until ``--min-seconds`` (1 s) have passed, the first pass once.
 
     python benchmarks/real_work.py --pair e2b --profiles field,poor,zero --k 3 --json e2b.json
     python benchmarks/real_work.py --pair trained --k 2,3 --json trained.json
@@ -47,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -325,6 +327,20 @@ def _prompts(pair: str, target: Path, count: int) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": ids} for ids in chat_prompts(str(target), gsm8k_questions(count))]
 
 
+def timed_passes(run_once: Callable[[], Any], min_seconds: float) -> tuple[list[Any], float]:
+    """Run ``run_once`` once, then again until ``min_seconds`` of wall time have passed: the
+    outputs of every pass and their total wall time. A pass of a tiny pair's batch lasts a
+    tenth of a second, where one hiccup of the host moves its tokens/s by a tenth or more; the
+    steady rounds time a second or more of the same work instead."""
+    outputs: list[Any] = []
+    start = time.perf_counter()
+    while True:
+        outputs.append(run_once())
+        wall = time.perf_counter() - start
+        if wall >= min_seconds:
+            return outputs, wall
+
+
 def _worker(args: argparse.Namespace) -> None:
     """One engine: start, say ready, then on each go run every batch size once."""
     import faulthandler
@@ -377,14 +393,16 @@ def _worker(args: argparse.Namespace) -> None:
         for turn, b in enumerate(batches, start=rnd * len(batches)):
             wait_turn(control, args.index, turn)
             before = spec_metrics(llm.get_metrics())
-            start = time.perf_counter()
-            outputs = llm.generate(prompts[:b], params[:b], use_tqdm=False)
-            wall = time.perf_counter() - start
+            passes, wall = timed_passes(
+                lambda b=b: llm.generate(prompts[:b], params[:b], use_tqdm=False),
+                0.0 if rnd == 0 else args.min_seconds,  # the first pass is one pass
+            )
             acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
-            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            tokens = sum(len(o.outputs[0].token_ids) for outputs in passes for o in outputs)
             runs[str(b)].append(
                 {
                     "wall_s": wall,
+                    "passes": len(passes),
                     "tokens": tokens,
                     "tokens_per_s": tokens / wall,
                     "tpot_ms": wall * 1e3 * b / tokens,
@@ -394,7 +412,7 @@ def _worker(args: argparse.Namespace) -> None:
                 }
             )
             if args.pair == "trained":  # compared with plain's in the tables
-                runs[str(b)][-1]["token_ids"] = [list(o.outputs[0].token_ids) for o in outputs]
+                runs[str(b)][-1]["token_ids"] = [list(o.outputs[0].token_ids) for o in passes[0]]
             turn_done(control, args.index, turn)
     Path(args.out).write_text(
         json.dumps(
@@ -418,6 +436,13 @@ def main() -> int:
     )
     parser.add_argument("--batch", default="1,8,16,32,64")
     parser.add_argument("--rounds", type=int, default=4, help="round 0 is the first pass")
+    parser.add_argument(
+        "--min-seconds",
+        type=float,
+        default=1.0,
+        help="steady rounds: each batch size's cell repeats its batch until this much wall "
+        "time has passed (the first pass runs once)",
+    )
     parser.add_argument("--workdir", default="/tmp/real-work")
     parser.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     parser.add_argument("--start-timeout", type=float, default=420)
@@ -499,6 +524,8 @@ def main() -> int:
                 args.batch,
                 "--rounds",
                 str(args.rounds),
+                "--min-seconds",
+                str(args.min_seconds),
                 "--start-timeout",
                 str(args.start_timeout),
                 "--engine",

@@ -337,3 +337,17 @@ def test_kv_cache_sized_for_the_largest_batch(tmp_path: Path) -> None:
     assert per_token == 50 * 2 * 16 * 256 * 2 + 10 * 2 * 4 * 512 * 2
     assert real_work.kv_cache_bytes(target, 32, 3) == 32 * 260 * per_token * 5 // 4
     assert real_work.kv_cache_bytes(target, 1, 3) == real_work.ENGINE["kv_cache_memory_bytes"]
+
+
+def test_steady_cells_repeat_their_batch_for_the_minimum_time() -> None:
+    calls: list[int] = []
+
+    def run_once() -> int:
+        calls.append(len(calls))
+        time.sleep(0.01)
+        return calls[-1]
+
+    outputs, wall = real_work.timed_passes(run_once, 0.0)  # a first pass: once
+    assert outputs == [0] and wall >= 0.01
+    outputs, wall = real_work.timed_passes(run_once, 0.05)
+    assert len(outputs) >= 5 and outputs == calls[1:] and wall >= 0.05
