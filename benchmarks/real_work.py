@@ -342,7 +342,8 @@ def timed_passes(run_once: Callable[[], Any], min_seconds: float) -> tuple[list[
 
 
 def _worker(args: argparse.Namespace) -> None:
-    """One engine: start, say ready, then on each go run every batch size once."""
+    """One engine: start, say ready, then on each go run one batch size: once in the first
+    round, for at least ``--min-seconds`` in the later ones."""
     import faulthandler
 
     faulthandler.dump_traceback_later(args.start_timeout - 15, exit=False)
