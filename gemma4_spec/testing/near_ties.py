@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from gemma4_spec.testing.tiny import reference_model
+
 __all__ = [
     "DEFAULT_TOLERANCE",
     "Divergence",
@@ -65,9 +67,7 @@ def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
 def reference_last_logits(target: str | Path, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
     """The logits [len(sequences), V] the target (a transformers checkpoint) gives after each
     sequence's last token, computed in float64 on the CPU, one sequence at a time."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float64).eval()
+    model = reference_model(target, torch.float64)
     rows = []
     with torch.no_grad():
         for ids in sequences:

@@ -57,6 +57,7 @@ __all__ = [
     "hf_draft_step",
     "hf_greedy_tokens",
     "is_unit_scale",
+    "reference_model",
     "target_text_config",
 ]
 
@@ -612,14 +613,20 @@ def hf_draft_step(
     )
 
 
+def reference_model(target_path: str | Path, dtype: torch.dtype) -> Any:
+    """The target as transformers runs it, the reference of plain decoding: the checkpoint's own
+    architecture in ``dtype``, eager attention, in evaluation mode."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(target_path), dtype=dtype, attn_implementation="eager"
+    ).eval()
+
+
 def hf_greedy_tokens(
     target_path: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int
 ) -> list[list[int]]:
     """Reference for plain decoding: transformers' greedy continuation of each prompt (float32,
     eager attention, no end-of-sequence stop), through the checkpoint's own architecture."""
-    model = AutoModelForCausalLM.from_pretrained(
-        target_path, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    model = reference_model(target_path, torch.float32)
     tokens = []
     for prompt in prompts:
         ids = torch.tensor([list(prompt)], dtype=torch.long)
