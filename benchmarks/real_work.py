@@ -327,18 +327,20 @@ def _prompts(pair: str, target: Path, count: int) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": ids} for ids in chat_prompts(str(target), gsm8k_questions(count))]
 
 
-def timed_passes(run_once: Callable[[], Any], min_seconds: float) -> tuple[list[Any], float]:
+def timed_passes(run_once: Callable[[], Any], min_seconds: float) -> tuple[list[Any], list[float]]:
     """Run ``run_once`` once, then again until ``min_seconds`` of wall time have passed: the
-    outputs of every pass and their total wall time. A pass of a tiny pair's batch lasts a
+    outputs of every pass and each pass's wall time. A pass of a tiny pair's batch lasts a
     tenth of a second, where one hiccup of the host moves its tokens/s by a tenth or more; the
-    steady rounds time a second or more of the same work instead."""
+    steady rounds time a second or more of the same work instead, and the pass times show
+    whether a slow cell was one slow pass or all of them."""
     outputs: list[Any] = []
-    start = time.perf_counter()
+    walls: list[float] = []
     while True:
+        start = time.perf_counter()
         outputs.append(run_once())
-        wall = time.perf_counter() - start
-        if wall >= min_seconds:
-            return outputs, wall
+        walls.append(time.perf_counter() - start)
+        if sum(walls) >= min_seconds:
+            return outputs, walls
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -394,16 +396,23 @@ def _worker(args: argparse.Namespace) -> None:
         for turn, b in enumerate(batches, start=rnd * len(batches)):
             wait_turn(control, args.index, turn)
             before = spec_metrics(llm.get_metrics())
-            passes, wall = timed_passes(
+            cpu = time.process_time()
+            passes, walls = timed_passes(
                 lambda b=b: llm.generate(prompts[:b], params[:b], use_tqdm=False),
                 0.0 if rnd == 0 else args.min_seconds,  # the first pass is one pass
             )
+            cpu = time.process_time() - cpu
+            wall = sum(walls)
             acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
             tokens = sum(len(o.outputs[0].token_ids) for outputs in passes for o in outputs)
             runs[str(b)].append(
                 {
                     "wall_s": wall,
                     "passes": len(passes),
+                    "pass_s": walls,
+                    # CPU time of this process's threads (with the engine core in process:
+                    # the scheduler, runner and output handling) per wall second of the cell.
+                    "cpu_per_wall": cpu / wall,
                     "tokens": tokens,
                     "tokens_per_s": tokens / wall,
                     "tpot_ms": wall * 1e3 * b / tokens,
@@ -626,6 +635,7 @@ def print_tables(saved: dict[str, Any]) -> None:
             tps = [r["tokens_per_s"] for r in result["runs"][b][1:]]
             cells.append(f"{min(tps):7.0f} - {max(tps):7.0f}")
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
+    _print_host(results, batches)
     paired = {name: other for name in results if (other := in_tree_of(name)) is not None}
     if paired:
         print(
@@ -655,6 +665,26 @@ def print_tables(saved: dict[str, Any]) -> None:
                     same += sum(x == y for x, y in pairs)
                     total += len(ours["token_ids"])
             print(f"  {name:24} {same} / {total}")
+
+
+def _print_host(results: dict[str, Any], batches: list[str]) -> None:
+    """Over the steady cells (medians): the process's CPU seconds per wall second, and the
+    slowest pass of a cell over its fastest. A CPU figure near 1 with the engine core in
+    process says the step waits on one Python thread; a wide pass spread in a cell says the
+    cell's spread is the host's hiccups, not the engine's work. Runs saved before these
+    fields existed print nothing."""
+    first = next(iter(results.values()))["runs"][batches[0]]
+    if "pass_s" not in first[-1]:
+        return
+    print("\nsteady cells (medians): CPU s per wall s of this process | slowest / fastest pass")
+    for name, result in results.items():
+        cells = []
+        for b in batches:
+            steady = result["runs"][b][1:]
+            cpu = statistics.median(r["cpu_per_wall"] for r in steady)
+            spread = statistics.median(max(r["pass_s"]) / min(r["pass_s"]) for r in steady)
+            cells.append(f"{cpu:4.2f} | {spread:4.2f}")
+        print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
 
 
 def _steady(runs: list[dict[str, Any]]) -> float:

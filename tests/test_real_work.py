@@ -347,7 +347,37 @@ def test_steady_cells_repeat_their_batch_for_the_minimum_time() -> None:
         time.sleep(0.01)
         return calls[-1]
 
-    outputs, wall = real_work.timed_passes(run_once, 0.0)  # a first pass: once
-    assert outputs == [0] and wall >= 0.01
-    outputs, wall = real_work.timed_passes(run_once, 0.05)
-    assert len(outputs) >= 5 and outputs == calls[1:] and wall >= 0.05
+    outputs, walls = real_work.timed_passes(run_once, 0.0)  # a first pass: once
+    assert outputs == [0] and len(walls) == 1 and walls[0] >= 0.01
+    outputs, walls = real_work.timed_passes(run_once, 0.05)
+    assert len(outputs) >= 5 and outputs == calls[1:] and len(walls) == len(outputs)
+    assert sum(walls) >= 0.05 and sum(walls[:-1]) < 0.05  # stops at the first pass past it
+    assert min(walls) >= 0.01
+
+
+def test_host_table_shows_cpu_per_wall_and_the_pass_spread(tmp_path: Path) -> None:
+    def runs(cpu: list[float], passes: list[list[float]]) -> list[dict]:
+        cells = _runs([100.0] * len(cpu), None)
+        for cell, c, p in zip(cells, cpu, passes, strict=True):
+            cell.update(cpu_per_wall=c, pass_s=p)
+        return cells
+
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {
+            # Steady cells (after the first pass): CPU 0.9 and 1.1 -> median 1.00; spreads
+            # 0.3 / 0.2 = 1.5 and 0.2 / 0.2 = 1.0 -> median 1.25.
+            "plain": {
+                "startup_s": 30,
+                "runs": {"1": runs([5.0, 0.9, 1.1], [[0.5], [0.2, 0.3], [0.2, 0.2]])},
+            },
+        },
+    }
+    out = _tables(saved, tmp_path)
+    host = out.split("steady cells (medians)")[1].splitlines()
+    (line,) = [row for row in host if row.startswith("plain")]
+    assert "1.00 | 1.25" in line
+    # A run saved before the fields existed prints no such table.
+    old = {**saved, "results": {"plain": {"startup_s": 30, "runs": {"1": _runs([1, 2], None)}}}}
+    assert "steady cells (medians)" not in _tables(old, tmp_path)
