@@ -327,6 +327,20 @@ def _prompts(pair: str, target: Path, count: int) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": ids} for ids in chat_prompts(str(target), gsm8k_questions(count))]
 
 
+def core_shares(cores: list[int], engines: int) -> list[list[int]]:
+    """``cores`` split into ``engines`` contiguous shares as even as they go (the first shares
+    one larger where they do not divide); each engine gets at least one core."""
+    if engines > len(cores):
+        raise SystemExit(f"--pin-cores: {engines} engines but only {len(cores)} cores")
+    size, extra = divmod(len(cores), engines)
+    shares, start = [], 0
+    for i in range(engines):
+        end = start + size + (1 if i < extra else 0)
+        shares.append(cores[start:end])
+        start = end
+    return shares
+
+
 def timed_passes(run_once: Callable[[], Any], min_seconds: float) -> tuple[list[Any], list[float]]:
     """Run ``run_once`` once, then again until ``min_seconds`` of wall time have passed: the
     outputs of every pass and each pass's wall time. A pass of a tiny pair's batch lasts a
@@ -349,6 +363,8 @@ def _worker(args: argparse.Namespace) -> None:
     import faulthandler
 
     faulthandler.dump_traceback_later(args.start_timeout - 15, exit=False)
+    if args.cores:  # before vLLM and torch start their threads, which inherit it
+        os.sched_setaffinity(0, {int(c) for c in args.cores.split(",")})
     from vllm import LLM, SamplingParams
 
     from gemma4_spec.metrics import Acceptance, spec_metrics
@@ -475,6 +491,13 @@ def main() -> int:
         f"a process of its own (vLLM's default, what a server has); {BOTH_CORES}: every engine "
         f"both ways, the second named '... {OWN_CORE}'",
     )
+    parser.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="give each engine its own share of this process's CPU cores (its process and the "
+        "ones it starts): one engine's threads then never run on another's cores",
+    )
+    parser.add_argument("--cores", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--table", default=None, help="print the tables of a saved --json, only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
@@ -519,7 +542,9 @@ def main() -> int:
         check=True,
     )
     turns = EngineTurns(workdir / f"control-{args.pair}")
+    shares = core_shares(sorted(os.sched_getaffinity(0)), len(configs)) if args.pin_cores else []
     for index, (name, config) in enumerate(configs.items()):
+        pinned = ["--cores", ",".join(map(str, shares[index]))] if shares else []
         turns.start(
             name,
             __file__,
@@ -542,6 +567,7 @@ def main() -> int:
                 args.engine,
                 "--temperature",
                 str(args.temperature),
+                *pinned,
             ],  # fmt: skip
             engine_env(
                 config["env"],
@@ -566,6 +592,7 @@ def main() -> int:
         "tensor_parallel_size": args.tensor_parallel,
         "engine": json.loads(args.engine),
         "engine_core": args.engine_core,
+        "pinned_cores": args.pin_cores,
         "results": results,
         "not_started": turns.not_started,
     }
@@ -597,6 +624,7 @@ def print_tables(saved: dict[str, Any]) -> None:
         f"\n{saved['pair']} pair, {sampling}, {drafts} drafts, "
         f"up to {saved['new_tokens']} new tokens a request"
         + (f", TP={tp}" if tp > 1 else "")
+        + (", each engine on its own CPU cores" if saved.get("pinned_cores") else "")
         + {
             "in-process": "",
             "own-process": ", engine cores in their own processes",

@@ -381,3 +381,23 @@ def test_host_table_shows_cpu_per_wall_and_the_pass_spread(tmp_path: Path) -> No
     # A run saved before the fields existed prints no such table.
     old = {**saved, "results": {"plain": {"startup_s": 30, "runs": {"1": _runs([1, 2], None)}}}}
     assert "steady cells (medians)" not in _tables(old, tmp_path)
+
+
+def test_pinned_engines_share_the_cores_without_overlap() -> None:
+    shares = real_work.core_shares(list(range(16)), 3)
+    assert [len(s) for s in shares] == [6, 5, 5]
+    assert sorted(c for s in shares for c in s) == list(range(16))
+    assert real_work.core_shares([4, 5], 2) == [[4], [5]]
+    with pytest.raises(SystemExit, match="3 engines but only 2 cores"):
+        real_work.core_shares([0, 1], 3)
+
+
+def test_a_pinned_run_says_so_in_its_tables(tmp_path: Path) -> None:
+    runs = {"1": _runs([50, 100, 100], None)}
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {"plain": {"startup_s": 30, "runs": runs}},
+    }
+    assert "each engine on its own CPU cores" not in _tables(saved, tmp_path)
+    assert "each engine on its own CPU cores" in _tables({**saved, "pinned_cores": True}, tmp_path)
