@@ -1,7 +1,9 @@
 """Attention of one target layer in a verification step, through vLLM's Triton kernel: as vLLM
 runs it (requests of ``1 + k`` query tokens: its "2D" kernel) vs rewritten as one-token
 sequences (``ops/flat_queries.py`` + its decode "3D" kernel, the flatten kernel included), with
-a plain decode step (one query token per request) for scale. Needs CUDA and vLLM.
+a plain decode step (one query token per request) for scale, through vLLM's pick (its "3D"
+kernel up to its threshold of sequences) and through the one-pass kernel (``dec. 2D``: what a
+short-context draft step might prefer). Needs CUDA and vLLM.
 
 E2B-like layer: 8 query heads, 1 KV head, head size 256 (sliding window 512) or 512 (full
 attention), block size 16, bf16. Each variant in a CUDA graph, cold L2 (``centroid_argmax``'s
@@ -41,8 +43,8 @@ def _measure(
     table = (torch.arange(batch * blocks, device=device) + 1).view(batch, blocks).int()
     attention = PagedAttention(cache, cache, HEADS, window)
 
-    def attend(q, starts, max_q, seq_lens, block_table):  # type: ignore[no-untyped-def]
-        return attention(q, starts, max_q, seq_lens, block_table, context + q_len)
+    def attend(q, starts, max_q, seq_lens, block_table, split=True):  # type: ignore[no-untyped-def]
+        return attention(q, starts, max_q, seq_lens, block_table, context + q_len, split_keys=split)
 
     verify_q = torch.randn(batch * q_len, HEADS, head_dim, device=device).bfloat16()
     starts = (torch.arange(batch + 1, device=device) * q_len).int()
@@ -62,6 +64,12 @@ def _measure(
         "decode": _time_cuda(
             lambda: attend(verify_q[:batch], decode_starts, 1, seq_lens, table), reps, flush
         ),
+        # The same one-query step through the one-pass kernel (a draft step's attention).
+        "decode_2d": _time_cuda(
+            lambda: attend(verify_q[:batch], decode_starts, 1, seq_lens, table, False),
+            reps,
+            flush,
+        ),
     }
 
 
@@ -75,14 +83,17 @@ def main() -> None:
     args = parser.parse_args()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
-    print(f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'flat 3D':>8s} {'decode':>8s}")
+    print(
+        f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'flat 3D':>8s} {'decode':>8s} "
+        f"{'dec. 2D':>8s}"
+    )
     for name, (head_dim, window) in LAYERS.items():
         for context in (int(c) for c in args.context.split(",")):
             for batch in (int(b) for b in args.batch.split(",")):
                 times = _measure(head_dim, window, context, batch, 1 + args.k, args.reps, flush)
                 print(
                     f"{name:12s} {batch:3d} {context:5d} {times['vllm_2d']:8.1f} "
-                    f"{times['flat_3d']:8.1f} {times['decode']:8.1f}",
+                    f"{times['flat_3d']:8.1f} {times['decode']:8.1f} {times['decode_2d']:8.1f}",
                     flush=True,
                 )
                 rows.append(dict(layer=name, batch=batch, context=context, k=args.k, **times))

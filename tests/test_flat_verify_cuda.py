@@ -52,3 +52,24 @@ def test_flat_queries_give_the_same_attention(batch, head_dim, block_size, windo
     # the keys differently: float32 results agree to TF32 rounding, not bit for bit.
     tol = 1e-3 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[:real].float(), want[:real].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(("head_dim", "window"), [(256, 0), (256, 64), (512, 0)])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_one_query_steps_the_same_through_either_kernel(batch, head_dim, window):
+    """The benchmark's one-pass decode row (``split_keys=False``) is the same attention as
+    vLLM's split-key kernel, to the kernels' rounding."""
+    torch.manual_seed(batch + head_dim + window)
+    device, block_size, heads = torch.device("cuda"), 16, 8
+    seq_lens = torch.randint(1, 300, (batch,), device=device).int()
+    blocks_per_req = (300 + block_size - 1) // block_size
+    table = (torch.arange(batch * blocks_per_req, device=device) + 1).view(batch, -1).int()
+    key_cache = torch.randn(batch * blocks_per_req + 1, block_size, 1, head_dim, device=device)
+    value_cache = torch.randn_like(key_cache)
+    q = torch.randn(batch, heads, head_dim, device=device)
+    starts = torch.arange(batch + 1, device=device).int()
+    attention = PagedAttention(key_cache, value_cache, heads, window)
+    longest = int(seq_lens.max())
+    split = attention(q, starts, 1, seq_lens, table, longest)
+    one_pass = attention(q, starts, 1, seq_lens, table, longest, split_keys=False)
+    torch.testing.assert_close(one_pass, split, atol=1e-3, rtol=1e-3)  # TF32 in both

@@ -48,15 +48,20 @@ class PagedAttention:
         block_table: torch.Tensor,
         max_seq_len: int,
         out: torch.Tensor | None = None,  # written in place; a new tensor if None
+        split_keys: bool = True,
     ) -> torch.Tensor:
+        """``split_keys=False``: one-query batches through the one-pass ("2D") kernel too,
+        where vLLM splits each sequence's keys over several programs ("3D") up to its
+        threshold of sequences: which of the two a short-context draft step wants."""
         out = torch.empty_like(q) if out is None else out
         scale = self._scale[: seq_lens.shape[0]]
+        scratch = self._scratch if split_keys else {**self._scratch, "seq_threshold_3D": 0}
         self._attention(
             q=q, k=self.key_cache, v=self.value_cache, out=out, cu_seqlens_q=query_start_loc,
             max_seqlen_q=max_query_len, seqused_k=seq_lens, max_seqlen_k=max_seq_len,
             softmax_scale=q.shape[2] ** -0.5, causal=True,
             window_size=(self.window - 1, 0) if self.window else (-1, -1),
             block_table=block_table, softcap=0, q_descale=None, k_descale=scale,
-            v_descale=scale, **self._scratch,
+            v_descale=scale, **scratch,
         )  # fmt: skip
         return out
