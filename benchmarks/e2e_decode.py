@@ -351,17 +351,9 @@ def _print_round_spread(name: str, per_batch: dict[str, Any], batches: list[str]
 
 def _print_scopes(name: str, per_batch: dict[str, Any], batches: list[str]) -> None:
     """One engine's host scopes per decode step (``host_scopes.py``), indented by nesting."""
-    from host_scopes import depth_of
+    from host_scopes import print_table
 
-    print(f"\n{name}: host scopes per decode step, ms: wall / thread CPU (calls)")
-    print(f"{'scope':80}" + "".join(f"{'B=' + b:>24}" for b in batches))
-    for scope in per_batch[batches[0]]["scopes"]:
-        label = "  " * depth_of(scope) + scope
-        cells = []
-        for b in batches:
-            calls, wall, cpu = per_batch[b]["scopes"].get(scope, (0.0, 0.0, 0.0))
-            cells.append(f"{wall:6.3f} / {cpu:6.3f} ({calls:3.1f})")
-        print(f"{label:80}" + "".join(f"{c:>24}" for c in cells))
+    print_table(name, {b: per_batch[b]["scopes"] for b in batches}, batches)
     _print_round_spread(name, per_batch, batches)
 
 

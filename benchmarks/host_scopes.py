@@ -25,6 +25,8 @@ SCOPES: tuple[tuple[int, str], ...] = (
     # The engine core's step (the client holds it as a bound method: wrapped from outside).
     (1, "vllm.v1.engine.core_client:InprocClient.get_output"),
     (2, "vllm.v1.core.sched.scheduler:Scheduler.schedule"),
+    # One call a running request a step: the KV-cache groups' block accounting.
+    (3, "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots"),
     (2, "vllm.v1.core.sched.scheduler:Scheduler.update_from_output"),
     (2, "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids"),
     (2, "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model"),
@@ -72,6 +74,9 @@ SCOPES: tuple[tuple[int, str], ...] = (
         3,
         "vllm.v1.worker.gpu.spec_decode.autoregressive.speculator:AutoRegressiveSpeculator.propose",
     ),
+    # The in-tree gemma4_mtp's V2 speculator, and ours (its subclass, our draft loop).
+    (3, "vllm.v1.worker.gpu.spec_decode.gemma4.speculator:Gemma4Speculator.propose"),
+    (3, "gemma4_spec.spec_decode.runner_v2:Gemma4LoopSpeculator.propose"),
     (2, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.take_draft_token_ids"),
     (1, "vllm.v1.engine.output_processor:OutputProcessor.process_outputs"),
     # Waits for the GPU, wherever they happen (inside the scopes above). CUDA's default event
@@ -161,3 +166,20 @@ def per_step(
 def depth_of(name: str) -> int:
     """Nesting depth of a scope, by its printed name."""
     return next(d for d, spec in SCOPES if _name(spec) == name)
+
+
+def print_table(title: str, scopes: dict[str, dict[str, list[float]]], batches: list[str]) -> None:
+    """Scopes per decode step, ms, wall / thread CPU (calls), indented by nesting: ``scopes``
+    is batch -> scope -> [calls, wall ms, CPU ms] (``per_step``'s rows, or medians of them);
+    scopes never called at any batch size are left out."""
+    print(f"\n{title}: host scopes per decode step, ms: wall / thread CPU (calls)")
+    print(f"{'scope':80}" + "".join(f"{'B=' + b:>24}" for b in batches))
+    for scope in scopes[batches[0]]:
+        if not any(scopes[b].get(scope, (0.0,))[0] for b in batches):
+            continue  # never called here (the other runner's, another drafter's)
+        label = "  " * depth_of(scope) + scope
+        cells = []
+        for b in batches:
+            calls, wall, cpu = scopes[b].get(scope, (0.0, 0.0, 0.0))
+            cells.append(f"{wall:6.3f} / {cpu:6.3f} ({calls:3.1f})")
+        print(f"{label:80}" + "".join(f"{c:>24}" for c in cells))

@@ -341,6 +341,18 @@ def core_shares(cores: list[int], engines: int) -> list[list[int]]:
     return shares
 
 
+STEP_SCOPE = "scheduler:Scheduler.update_from_output"  # called once an engine step
+
+
+def scopes_per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[str, list[float]]:
+    """Each host scope's [calls, wall ms, thread-CPU ms] per engine step between two of
+    ``host_scopes``' snapshots (steps: the scheduler's output updates)."""
+    import host_scopes
+
+    steps = after.get(STEP_SCOPE, (0,))[0] - before.get(STEP_SCOPE, (0,))[0]
+    return host_scopes.per_step(after, before, max(steps, 1))
+
+
 def timed_passes(run_once: Callable[[], Any], min_seconds: float) -> tuple[list[Any], list[float]]:
     """Run ``run_once`` once, then again until ``min_seconds`` of wall time have passed: the
     outputs of every pass and each pass's wall time. A pass of a tiny pair's batch lasts a
@@ -384,6 +396,10 @@ def _worker(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - started
+    if args.scopes:  # the host's scopes of every step (engine core in process only)
+        import host_scopes
+
+        host_scopes.install()
     faulthandler.cancel_dump_traceback_later()
     capacity = kv_capacity_requests(llm, request_tokens(config["k"]))
     prompts = _prompts(args.pair, target, max(batches))
@@ -412,6 +428,7 @@ def _worker(args: argparse.Namespace) -> None:
         for turn, b in enumerate(batches, start=rnd * len(batches)):
             wait_turn(control, args.index, turn)
             before = spec_metrics(llm.get_metrics())
+            scopes = host_scopes.snapshot() if args.scopes else {}
             cpu = time.process_time()
             passes, walls = timed_passes(
                 lambda b=b: llm.generate(prompts[:b], params[:b], use_tqdm=False),
@@ -437,6 +454,8 @@ def _worker(args: argparse.Namespace) -> None:
                     else None,
                 }
             )
+            if args.scopes:
+                runs[str(b)][-1]["scopes"] = scopes_per_step(scopes, host_scopes.snapshot())
             if args.pair == "trained":  # compared with plain's in the tables
                 runs[str(b)][-1]["token_ids"] = [list(o.outputs[0].token_ids) for o in passes[0]]
             turn_done(control, args.index, turn)
@@ -498,6 +517,13 @@ def main() -> int:
         "ones it starts): one engine's threads then never run on another's cores",
     )
     parser.add_argument("--cores", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--scopes",
+        action="store_true",
+        help="also time the host's scopes of each engine step (benchmarks/host_scopes.py: "
+        "scheduler, runner, speculator, output processing; about a microsecond a call); "
+        "with the engine core in process",
+    )
     parser.add_argument("--table", default=None, help="print the tables of a saved --json, only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
@@ -517,6 +543,10 @@ def main() -> int:
         return 0
     if args.rounds < 2:
         parser.error("--rounds must be at least 2: a first pass and a steady one")
+    if args.scopes and args.engine_core != "in-process":
+        parser.error(
+            "--scopes times the engine core in the worker's process: --engine-core in-process"
+        )
     if args.tensor_parallel > 1:  # into every engine's LLM(...) arguments
         args.engine = json.dumps(
             {**json.loads(args.engine), "tensor_parallel_size": args.tensor_parallel}
@@ -568,6 +598,7 @@ def main() -> int:
                 "--temperature",
                 str(args.temperature),
                 *pinned,
+                *["--scopes"] * args.scopes,
             ],  # fmt: skip
             engine_env(
                 config["env"],
@@ -680,6 +711,7 @@ def print_tables(saved: dict[str, Any]) -> None:
             )
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
     _print_targets(results, plain, batches, paired)
+    _print_scopes(results, batches)
     _print_best_k(results, batches)
     # Saved copies may leave the token ids out.
     has_tokens = plain is not None and "token_ids" in plain[batches[0]][0]
@@ -713,6 +745,26 @@ def _print_host(results: dict[str, Any], batches: list[str]) -> None:
             spread = statistics.median(max(r["pass_s"]) / min(r["pass_s"]) for r in steady)
             cells.append(f"{cpu:4.2f} | {spread:4.2f}")
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
+
+
+def _print_scopes(results: dict[str, Any], batches: list[str]) -> None:
+    """Each engine's host scopes per step, the median over its steady cells (runs with
+    ``--scopes`` only)."""
+    from host_scopes import print_table
+
+    for name, result in results.items():
+        steady = {b: result["runs"][b][1:] for b in batches}
+        if not all(cells and "scopes" in cells[0] for cells in steady.values()):
+            continue
+        medians = {
+            b: {
+                scope: [statistics.median(c["scopes"][scope][i] for c in cells) for i in range(3)]
+                for scope in cells[0]["scopes"]
+                if all(scope in c["scopes"] for c in cells)
+            }
+            for b, cells in steady.items()
+        }
+        print_table(f"{name} (steady cells' median)", medians, batches)
 
 
 def _steady(runs: list[dict[str, Any]]) -> float:

@@ -401,3 +401,36 @@ def test_a_pinned_run_says_so_in_its_tables(tmp_path: Path) -> None:
     }
     assert "each engine on its own CPU cores" not in _tables(saved, tmp_path)
     assert "each engine on its own CPU cores" in _tables({**saved, "pinned_cores": True}, tmp_path)
+
+
+def test_scopes_per_engine_step_and_their_table(tmp_path: Path) -> None:
+    # Two snapshots 4 steps apart: 4 output updates, 96 slot allocations (24 a step).
+    before = {
+        real_work.STEP_SCOPE: (10, 0, 0),
+        "kv_cache_manager:KVCacheManager.allocate_slots": (0, 0, 0),
+    }
+    after = {
+        real_work.STEP_SCOPE: (14, 4_000_000, 2_000_000),
+        "kv_cache_manager:KVCacheManager.allocate_slots": (96, 2_000_000, 1_600_000),
+    }
+    rows = real_work.scopes_per_step(before, after)
+    assert rows["kv_cache_manager:KVCacheManager.allocate_slots"] == [24.0, 0.5, 0.4]
+    assert rows[real_work.STEP_SCOPE] == [1.0, 1.0, 0.5]
+
+    def cells(walls: list[float]) -> list[dict]:
+        runs = _runs([100.0] * len(walls), None)
+        for cell, wall in zip(runs, walls, strict=True):
+            cell["scopes"] = {real_work.STEP_SCOPE: [1.0, wall, wall / 2]}
+        return runs
+
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {"plain": {"startup_s": 30, "runs": {"1": cells([9.0, 0.2, 0.4, 0.3])}}},
+    }
+    out = _tables(saved, tmp_path)
+    table = out.split("plain (steady cells' median): host scopes per decode step")[1]
+    (line,) = [row for row in table.splitlines() if "update_from_output" in row]
+    assert "0.300 /  0.150 (1.0)" in line  # the steady cells' median; the first pass left out
+    saved["results"]["plain"]["runs"]["1"] = _runs([1, 2], None)  # no scopes: no table
+    assert "host scopes per decode step" not in _tables(saved, tmp_path)
