@@ -332,20 +332,15 @@ def _print_round_spread(name: str, per_batch: dict[str, Any], batches: list[str]
     """Where one engine's slowest round spent its extra time over its fastest: the scopes whose
     wall time per step differs most between the two rounds (the two outermost left out: they
     hold everything)."""
-    outer = {"llm_engine:LLMEngine.step", "core_client:InprocClient.get_output"}
+    from host_scopes import largest_differences
+
     print(f"\n{name}: slowest minus fastest round, ms per step, largest scope differences")
     for b in batches:
         rounds, per_round = per_batch[b]["step_ms_all"], per_batch[b].get("scopes_all")
         if not per_round:
             continue
         fast, slow = rounds.index(min(rounds)), rounds.index(max(rounds))
-        diffs = {
-            scope: per_round[slow][scope][1] - per_round[fast][scope][1]
-            for scope in per_round[fast]
-            if scope in per_round[slow] and scope not in outer
-        }
-        top = sorted(diffs.items(), key=lambda item: -abs(item[1]))[:6]
-        cells = ", ".join(f"{scope} {diff:+.3f}" for scope, diff in top)
+        cells = largest_differences(per_round[slow], per_round[fast], 6)
         print(f"  B={b}: step {rounds[slow] - rounds[fast]:+.3f}: {cells}")
 
 

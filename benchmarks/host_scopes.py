@@ -183,3 +183,22 @@ def print_table(title: str, scopes: dict[str, dict[str, list[float]]], batches: 
             calls, wall, cpu = scopes[b].get(scope, (0.0, 0.0, 0.0))
             cells.append(f"{wall:6.3f} / {cpu:6.3f} ({calls:3.1f})")
         print(f"{label:80}" + "".join(f"{c:>24}" for c in cells))
+
+
+# The two outermost scopes hold every other one: a difference there says nothing of where.
+OUTERMOST = frozenset({"llm_engine:LLMEngine.step", "core_client:InprocClient.get_output"})
+
+
+def largest_differences(
+    more: dict[str, list[float]], less: dict[str, list[float]], top: int
+) -> str:
+    """The ``top`` scopes whose wall ms per step differ most between two rows of scopes
+    (scope -> [calls, wall ms, CPU ms]), ``more`` minus ``less``, the outermost two left out:
+    "scope +0.123, ..."."""
+    diffs = {
+        scope: more[scope][1] - less[scope][1]
+        for scope in more
+        if scope in less and scope not in OUTERMOST
+    }
+    largest = sorted(diffs.items(), key=lambda item: -abs(item[1]))[:top]
+    return ", ".join(f"{scope} {diff:+.3f}" for scope, diff in largest)

@@ -776,19 +776,13 @@ def _print_first_pass_scopes(
 ) -> None:
     """Where a first pass spends more host time a step than the steady cells: the scopes
     whose wall time per step differs most (the two outermost left out: they hold all)."""
-    outer = {"llm_engine:LLMEngine.step", "core_client:InprocClient.get_output"}
+    from host_scopes import largest_differences
+
     print(f"{name}: first pass minus steady, ms per step, largest scope differences")
     for b in batches:
         first = result["runs"][b][0].get("scopes")
-        if not first:
-            continue
-        diffs = {
-            scope: first[scope][1] - steady[b][scope][1]
-            for scope in first
-            if scope in steady[b] and scope not in outer
-        }
-        top = sorted(diffs.items(), key=lambda item: -abs(item[1]))[:5]
-        print(f"  B={b}: " + ", ".join(f"{scope} {diff:+.3f}" for scope, diff in top))
+        if first:
+            print(f"  B={b}: {largest_differences(first, steady[b], 5)}")
 
 
 def _steady(runs: list[dict[str, Any]]) -> float:
