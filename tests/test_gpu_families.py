@@ -18,7 +18,6 @@ Skipped without CUDA (CI and the CPU machines); run on the GPU machine.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -34,7 +33,7 @@ from gemma4_spec.testing.engine_run import (
     generate_in_subprocess,
     gpu_run_fields,
 )
-from gemma4_spec.testing.families import FAMILIES, build_family_pair
+from gemma4_spec.testing.families import FAMILIES, build_family_pair, gpu_family_prompts
 from gemma4_spec.testing.kv_norms import add_missing_k_norms
 from gemma4_spec.testing.near_ties import compared_tokens, divergences
 
@@ -43,7 +42,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-PROMPT_LENGTHS = (5, 21, 33, 40)
 MAX_TOKENS = 32
 K = 3
 RUNNERS = {"V1": "0", "V2": "1"}
@@ -62,8 +60,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(4321)
-    return [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return gpu_family_prompts()
 
 
 def _config(target: Path, prompts: list[list[int]], assistant: Path | None) -> RunConfig:

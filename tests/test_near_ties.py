@@ -4,13 +4,12 @@ on the same pair and in synthetic logits, are flagged."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from gemma4_spec.testing.families import build_family_pair
+from gemma4_spec.testing.families import build_family_pair, gpu_family_prompts
 from gemma4_spec.testing.near_ties import (
     DEFAULT_TOLERANCE,
     compared_tokens,
@@ -19,10 +18,9 @@ from gemma4_spec.testing.near_ties import (
     judge,
 )
 
-# tests/test_gpu_families.py's prompts (lengths 5, 21, 33, 40 from random.Random(4321)): the
-# third one's 32 greedy tokens on the H200 (vLLM 0.26, float32, CUDA graphs, V1 runner, k = 3),
-# plain decoding and ours, which parted at output token 22.
-PROMPT_LENGTHS = (5, 21, 33, 40)
+# tests/test_gpu_families.py's prompts (``gpu_family_prompts``): the third one's 32 greedy
+# tokens on the H200 (vLLM 0.26, float32, CUDA graphs, V1 runner, k = 3), plain decoding and
+# ours, which parted at output token 22.
 H200_PLAIN = [
     1527, 1930, 49, 1012, 1112, 1072, 905, 1136, 1457, 1457, 650, 904, 663, 1739, 22, 1228,
     840, 1297, 494, 682, 1808, 697, 1971, 1238, 468, 652, 451, 1418, 985, 684, 1082, 1641,
@@ -65,8 +63,7 @@ def e4b_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(4321)
-    return [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
+    return gpu_family_prompts()
 
 
 def test_recorded_h200_divergence_is_a_near_tie(e4b_target: Path, prompts: list[list[int]]) -> None:

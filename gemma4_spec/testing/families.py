@@ -27,6 +27,7 @@ benchmarks.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +52,19 @@ __all__ = [
     "Family",
     "build_family_pair",
     "build_real_shape_pair",
+    "gpu_family_prompts",
     "real_shape_configs",
 ]
 
 FAMILIES = ("e4b", "26b-a4b", "31b")
+GPU_PROMPT_LENGTHS = (5, 21, 33, 40)
+
+
+def gpu_family_prompts() -> list[list[int]]:
+    """The prompts of the GPU family test (``tests/test_gpu_families.py``), which the near-tie
+    test's recorded H200 tokens continue (``tests/test_near_ties.py``): one place for both."""
+    rng = random.Random(4321)
+    return [[rng.randrange(3, 2048) for _ in range(n)] for n in GPU_PROMPT_LENGTHS]
 
 
 def _five_to_one(num_layers: int) -> tuple[str, ...]:
