@@ -28,6 +28,9 @@
 #               with where the GPU idles waiting on the host
 #   profile-real: torch.profiler of real_work.py's engine variants on the trained pair (or
 #         e2b), B = 1 and 16, k = 3, engines started side by side and measured in turn
+#   draft-kernels: after 'install', the small-rows matmul's tests and benchmark
+#         (SMALL_LINEAR_SWEEP=1: also its tile sweep), the flat-verify CUDA tests and
+#         verify_attention.py
 #   real: the real-work benchmark (benchmarks/real_work.py; REAL_PAIR=e2b|trained,
 #         REAL_ARGS=<more arguments, split at spaces>; arguments after 'real' pass through
 #         as given, e.g. --only "plain,ours-V2 k"), after 'install' or 'engine' in an earlier call
@@ -39,12 +42,12 @@
 # V2 runner halves side by side (each is its own process).
 # ('install' is step 2 without its tests, to chain another step in the same call.)
 # Only committed code should be on the tree that travels: a half-written kernel breaks step 2.
-# Carry sizes (64 MiB with the tree, ~19 MiB): part00 alone (with .devexp/tf it is over);
-# part01 alone; part02 + .devexp/wheels + .devexp/tf + .devexp/ours; the MoE kernels in a call
-# of their own. The machine goes cold after 30 s without a call, and a cold machine has lost
+# Carry sizes (64 MiB with the tree, ~27 MiB): part00 alone; part01 alone; part02 +
+# .devexp/wheels in a 'part' call (which stages the wheels too); .devexp/tf + .devexp/ours with
+# 'install'; the MoE kernels in a call of their own. The machine goes cold after 30 s without a call, and a cold machine has lost
 # every staged part.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|e2e|real|profile|profile-real|tp2}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|draft-kernels|e2e|real|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
@@ -100,9 +103,11 @@ vllm|install|engine)  # install alone: vLLM without the tests (then e2e in the s
         [ -f "$d/$MOE_SO.xz" ] && { xz -dc "$d/$MOE_SO.xz" > "/tmp/site/vllm/$MOE_SO"; break; }
     done
     [ -f "/tmp/site/vllm/$MOE_SO" ] || echo "no MoE kernels staged: the 26B-A4B shape cannot run"
+    # The wheels: carried now, or staged by an earlier 'part' call that carried them.
+    wheels() { ls .devexp/"$1"/*.whl 2>/dev/null || ls /tmp/stage/"$1"/*.whl; }
     pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-        .devexp/wheels/*.whl .devexp/ours/*.whl 2>&1 | grep -v "as the 'root' user"
-    pip install -q --no-index --no-deps --no-compile --target /tmp/tf .devexp/tf/*.whl \
+        $(wheels wheels) $(wheels ours) 2>&1 | grep -v "as the 'root' user"
+    pip install -q --no-index --no-deps --no-compile --target /tmp/tf $(wheels tf) \
         2>&1 | grep -v "as the 'root' user"
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
     [ "$step" = install ] && exit 0
@@ -143,9 +148,22 @@ e2e)
         > "$OUT/e2e.log" 2>&1
     echo "e2e rc=$?"; grep -v "Capturing\|it/s" "$OUT/e2e.log" | tail -"${E2E_TAIL:-12}"
     ;;
+draft-kernels)  # after 'install': the draft step's kernels, tests and benchmarks
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    timeout 200 python3 -m pytest -q tests/test_small_linear.py tests/test_flat_verify_cuda.py \
+        > "$OUT/test_draft_kernels_cuda.log" 2>&1
+    echo "draft kernel tests rc=$?"; tail -2 "$OUT/test_draft_kernels_cuda.log"
+    timeout 150 python3 benchmarks/small_linear.py ${SMALL_LINEAR_SWEEP:+--sweep} \
+        --json "$OUT/small_linear.json" 2>&1 | grep -v Warning | tee "$OUT/small_linear.log"
+    timeout 100 python3 benchmarks/verify_attention.py --json "$OUT/verify_attention.json" \
+        2>&1 | grep -v Warning | tee "$OUT/verify_attention.log"
+    ;;
 part)  # only stage the carried parts of vLLM (and the MoE kernels, if carried)
     mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part* /tmp/stage/ 2>/dev/null
-    cp .devexp/parts/$MOE_SO.xz /tmp/stage/ 2>/dev/null; ls -l /tmp/stage
+    cp .devexp/parts/$MOE_SO.xz /tmp/stage/ 2>/dev/null
+    for d in wheels tf ours; do  # wheels carried here, for an 'install' that does not carry them
+        [ -d ".devexp/$d" ] && mkdir -p "/tmp/stage/$d" && cp .devexp/$d/*.whl "/tmp/stage/$d/"
+    done; ls -lR /tmp/stage | grep -c whl; ls -l /tmp/stage
     nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
     ;;
 real)

@@ -43,6 +43,7 @@ from vllm.sequence import IntermediateTensors
 
 from gemma4_spec.ops.centroid_argmax import CentroidMask, masked_logits
 from gemma4_spec.ops.centroid_argmax_triton import centroid_argmax_fused
+from gemma4_spec.ops.small_linear import use_small_rows_linear
 from gemma4_spec.ops.vocab_argmax_triton import vocab_argmax
 from gemma4_spec.validation import SLIDING_ATTENTION, kv_source_layers, layer_attention_shape
 
@@ -275,6 +276,8 @@ class Gemma4AssistantForDrafting(nn.Module):
             torch.tensor(list(suppress or []), dtype=torch.long),
             persistent=False,
         )
+        # The projections' matmuls, a few rows each draft step, in one launch each on CUDA.
+        use_small_rows_linear(self, vllm_config.device_config.device)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.model.embed_tokens is None:

@@ -1,0 +1,156 @@
+"""The assistant's matmuls at draft-step row counts: our kernel vs its torch reference vs what
+vLLM runs for them (``F.linear``: cuBLAS), side by side, per shape and for a whole draft step.
+
+    PYTHONPATH=$PWD python3 benchmarks/small_linear.py [--tokens 1,2,4,8,16,32,64]
+        [--reps 200] [--dtype bfloat16] [--sweep] [--json out.json] [--smoke]
+
+Needs only torch and triton. On CUDA every variant is captured in a CUDA graph and timed by
+``centroid_argmax.py``'s harness (cold L2 before each replay, CUDA events, the median of
+``--reps`` replays). On CPU it only checks that everything runs (``--smoke``: small shapes, for
+``TRITON_INTERPRET=1``).
+
+Shapes (``N x K``, from the published E2B assistant: hidden 256, 8 heads of 256 (sliding) or
+512 (full attention), MLP 2048, backbone 1536) and how many of each one draft step runs
+(``PER_STEP``). Columns: median us of ``ours`` (``small_linear``), ``cuBLAS`` (``F.linear``)
+and ``reference`` (float32 matmul); ``cuBLAS/ours``; ``splits`` of ours' launch; ``ok``: ours
+within one rounding of the reference. The ``step`` row sums each variant over a draft step's
+18 matmuls. ``--sweep`` also times other tile sizes and splits per shape (``T`` = 1 and 8) and
+prints the fastest, for tuning ``small_linear_config``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from centroid_argmax import _time_cpu, _time_cuda  # noqa: E402
+
+from gemma4_spec.ops.small_linear import small_linear, small_linear_reference  # noqa: E402
+from gemma4_spec.ops.small_linear_triton import (  # noqa: E402
+    SmallLinearConfig,
+    kernel_usable,
+    small_linear_config,
+    small_linear_kernel,
+)
+
+# name: (N, K, matmuls of this shape per draft step)
+SHAPES: dict[str, tuple[int, int, int]] = {
+    "pre_projection": (256, 3072, 1),
+    "q_proj sliding": (2048, 256, 3),
+    "o_proj sliding": (256, 2048, 3),
+    "q_proj full": (4096, 256, 1),
+    "o_proj full": (256, 4096, 1),
+    "gate_up_proj": (4096, 256, 4),
+    "down_proj": (256, 2048, 4),
+    "post_projection": (1536, 256, 1),
+}
+SMOKE_SHAPES: dict[str, tuple[int, int, int]] = {"wide": (96, 40, 1), "long": (16, 600, 2)}
+VARIANTS = ("ours", "cuBLAS", "reference")
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Within one rounding of ``ref`` in ``out``'s dtype (sums in another order)."""
+    eps = torch.finfo(out.dtype).eps
+    return bool(((out.float() - ref.float()).abs() <= 2 * eps * ref.float().abs() + 1e-6).all())
+
+
+def _sweep_configs(rows: int, n: int, k: int, device: torch.device) -> list[SmallLinearConfig]:
+    base = small_linear_config(rows, n, k, device)
+    steps = -(-k // base.block_k)
+    configs = []
+    for block_n in (16, 32, 64):
+        for splits in sorted({1, 2, 4, 8, 16, base.splits}):
+            if splits > steps:
+                continue
+            per = -(-steps // splits)
+            for warps in (2, 4):
+                configs.append(base._replace(block_n=block_n, splits=-(-steps // per),
+                                             steps_per_split=per, num_warps=warps))  # fmt: skip
+    return configs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    parser.add_argument("--reps", type=int, default=None, help="default 200 on CUDA, 2 on CPU")
+    parser.add_argument("--smoke", action="store_true", help="small shapes (CPU smoke test)")
+    parser.add_argument("--sweep", action="store_true", help="also time other tile sizes")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cuda = device.type == "cuda"
+    reps = args.reps or (200 if cuda else 2)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if not kernel_usable(device):
+        sys.exit("needs CUDA and triton, or TRITON_INTERPRET=1 on CPU")
+    flush = torch.empty(64 << 20 if cuda else 1, dtype=torch.float32, device=device)
+
+    def timed(fn: Callable[[], torch.Tensor]) -> float:
+        return _time_cuda(fn, reps, flush) if cuda else _time_cpu(fn, reps)
+
+    gen = torch.Generator().manual_seed(0)
+    weights = {
+        name: (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+        for name, (n, k, _) in shapes.items()
+    }
+    rows_out: list[dict] = []
+    print(f"{'shape':16s} {'N x K':>11s} {'T':>3s} " + " ".join(f"{v:>9s}" for v in VARIANTS)
+          + f" {'cuBLAS/ours':>11s} {'splits':>6s} {'ok':>3s}")  # fmt: skip
+    for t in [int(x) for x in args.tokens.split(",")]:
+        step = dict.fromkeys(VARIANTS, 0.0)
+        for name, (n, k, per_step) in shapes.items():
+            w = weights[name]
+            x = torch.randn(t, k, generator=gen).to(device, dtype)
+            fns = {
+                "ours": lambda x=x, w=w: small_linear(x, w),
+                "cuBLAS": lambda x=x, w=w: torch.nn.functional.linear(x, w),
+                "reference": lambda x=x, w=w: small_linear_reference(x, w),
+            }
+            us = {v: timed(fns[v]) for v in VARIANTS}
+            ok = _close(small_linear(x, w), small_linear_reference(x, w))
+            splits = small_linear_config(t, n, k, device).splits
+            for v in VARIANTS:
+                step[v] += per_step * us[v]
+            times = " ".join(f"{us[v]:9.2f}" for v in VARIANTS)
+            speedup = us["cuBLAS"] / us["ours"]
+            print(f"{name:16s} {n:5d}x{k:<5d} {t:3d} {times} {speedup:11.2f} {splits:6d} "
+                  f"{'yes' if ok else 'NO':>3s}")  # fmt: skip
+            rows_out.append({"shape": name, "n": n, "k": k, "tokens": t, "us": us,
+                             "splits": splits, "ok": ok})  # fmt: skip
+        print(f"{'step':16s} {'':11s} {t:3d} " + " ".join(f"{step[v]:9.2f}" for v in VARIANTS)
+              + f" {step['cuBLAS'] / step['ours']:11.2f}\n")  # fmt: skip
+        rows_out.append({"shape": "step", "tokens": t, "us": step})
+    if args.sweep:
+        print("sweep: the fastest launches per shape (block_n, splits x steps, warps: us)")
+        for t in (1, 8):
+            for name, (n, k, _) in shapes.items():
+                w = weights[name]
+                x = torch.randn(t, k, generator=gen).to(device, dtype)
+                timings = []
+                for cfg in _sweep_configs(t, n, k, device):
+                    us = timed(lambda cfg=cfg, x=x, w=w: small_linear_kernel(x, w, cfg))
+                    timings.append((us, cfg))
+                timings.sort(key=lambda item: item[0])
+                default = small_linear_config(t, n, k, device)
+                best = ", ".join(
+                    f"{c.block_n}, {c.splits}x{c.steps_per_split}, {c.num_warps}w: {us:.2f}"
+                    for us, c in timings[:3]
+                )
+                default_us = next((us for us, c in timings if c == default), float("nan"))
+                print(f"  {name:16s} T={t:<2d} default {default_us:6.2f} | {best}")
+                rows_out.append({"sweep": name, "tokens": t, "default_us": default_us,
+                                 "best": [(us, c._asdict()) for us, c in timings[:5]]})  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows_out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

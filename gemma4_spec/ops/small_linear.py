@@ -1,0 +1,131 @@
+"""``x @ weight^T`` for the few rows of a draft step, and the linear method that uses it.
+
+A Gemma 4 assistant step multiplies a handful of rows (one per drafted request) by small
+matrices: 4 layers of hidden 256, each with its query, output, gate/up and down projections,
+plus the pre- and post-projections to the target's width. Their weights are 0.1-1.5 MiB each,
+so the matmuls cost their kernels' latency, not their bytes; cuBLAS's kernels for these shapes
+(several of them split over K, with a second kernel to sum the splits) are its fixed cost
+several times over. ``ops/small_linear_triton.py`` computes the same product in one launch.
+
+``small_linear_reference`` defines it: float32 sums of the given values, rounded once to the
+input's dtype (what cuBLAS computes, up to the order of the sums). ``small_linear`` runs the
+kernel where it applies (``small_linear_applies``: CUDA or Triton's CPU interpreter, at most
+``SMALL_LINEAR_MAX_ROWS`` rows) and ``torch.nn.functional.linear`` elsewhere, as the custom op
+``gemma4_spec::small_linear``, opaque to torch.compile: the row count is a dynamic dimension
+of the draft's compiled graph, and the choice between the two is made at run time (at capture,
+for a CUDA graph), so the compiled graph does not specialise on it.
+
+``SmallRowsLinearMethod`` is vLLM's unquantized linear method with its matmul through that op;
+``use_small_rows_linear`` gives it to a model's unquantized linear layers (their parallel
+layout and all-reduces are unchanged: only the local matmul changes). The draft's tokens may
+change where two draft logits are within rounding of each other; the target verifies every
+draft, so the output does not.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gemma4_spec.switches import turned_off
+
+SMALL_LINEAR_ENV = "GEMMA4_SPEC_SMALL_LINEAR"
+# Up to this many rows the kernel runs: the largest batch of the draft's graphs that still
+# fits one tile of tokens per program (``small_linear_triton.MAX_BLOCK_T``).
+SMALL_LINEAR_MAX_ROWS = 64
+SMALL_LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def small_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K]^T`` by definition: float32 products and sums, the result
+    in ``x``'s dtype."""
+    return (x.float() @ weight.float().t()).to(x.dtype)
+
+
+def small_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``small_linear`` runs the kernel for these operands (else F.linear)."""
+    from gemma4_spec.ops.small_linear_triton import kernel_usable
+
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return (
+        kernel_usable(x.device)
+        and 0 < rows <= SMALL_LINEAR_MAX_ROWS
+        and x.dtype in SMALL_LINEAR_DTYPES
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[-1]
+        and weight.stride(1) == 1
+    )
+
+
+@torch.library.custom_op("gemma4_spec::small_linear", mutates_args=())
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K]^T`` in ``x``'s dtype: the Triton kernel for a few rows,
+    ``F.linear`` otherwise (module docstring)."""
+    if not small_linear_applies(x, weight):
+        return nn.functional.linear(x, weight)
+    from gemma4_spec.ops.small_linear_triton import small_linear_kernel
+
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    return small_linear_kernel(rows, weight).reshape(*x.shape[:-1], weight.shape[0])
+
+
+@small_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _unquantized_method() -> type:
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    return UnquantizedLinearMethod
+
+
+def small_rows_linear_method() -> object:
+    """A ``SmallRowsLinearMethod`` (the class is built on first use: vLLM is imported then)."""
+    global _METHOD_CLASS
+    if _METHOD_CLASS is None:
+        base = _unquantized_method()
+
+        class SmallRowsLinearMethod(base):  # type: ignore[misc, valid-type]
+            """vLLM's unquantized linear method, its matmul through ``small_linear``."""
+
+            def process_weights_after_loading(self, layer: nn.Module) -> None:
+                super().process_weights_after_loading(layer)
+                from gemma4_spec.ops.small_linear_triton import prepare_small_linear
+
+                prepare_small_linear(layer.weight.device)  # counters, outside any capture
+
+            def apply(
+                self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+            ) -> torch.Tensor:
+                out = torch.ops.gemma4_spec.small_linear(x, layer.weight)
+                return out if bias is None else out + bias
+
+        _METHOD_CLASS = SmallRowsLinearMethod
+    return _METHOD_CLASS()
+
+
+_METHOD_CLASS: type | None = None
+
+
+def use_small_rows_linear(model: nn.Module, device: torch.device | str | None) -> int:
+    """Gives every unquantized linear layer of ``model`` the small-rows method, on CUDA and
+    unless ``GEMMA4_SPEC_SMALL_LINEAR=0``; returns how many layers got it."""
+    from gemma4_spec.ops.small_linear_triton import kernel_usable
+
+    if device is None or turned_off(SMALL_LINEAR_ENV):
+        return 0
+    device = torch.device(device)
+    if device.type != "cuda" or not kernel_usable(device):
+        return 0
+    base = _unquantized_method()
+    changed = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if type(method) is base:
+            module.quant_method = small_rows_linear_method()
+            changed += 1
+    return changed

@@ -1,0 +1,181 @@
+"""The draft step's small matmul (``ops/small_linear*.py``) against its torch reference, its
+fallback, its custom op under torch.compile, and the linear method that routes a model's
+layers through it.
+
+On CPU the kernel runs at small sizes under Triton's interpreter, in a subprocess
+(``TRITON_INTERPRET=1`` must be set before triton is imported). On CUDA: the same checks at the
+assistant's shapes, and CUDA-graph capture and replay.
+
+What "equal" means (``_assert_close``): the reference sums in float32 in torch's order, the
+kernel in the MMA's, each rounding once to the output dtype: in bfloat16 the two may differ by
+one rounding step, in float32 by the order of the sums.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
+from gemma4_spec.ops.small_linear import (
+    SMALL_LINEAR_MAX_ROWS,
+    small_linear,
+    small_linear_applies,
+    small_linear_reference,
+    use_small_rows_linear,
+)
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_TRITON),
+    reason="needs a CUDA GPU and triton (the CPU side runs under the interpreter)",
+)
+# (rows, N, K): one tile and many; K neither a multiple of the step nor of 16; few columns and a
+# long K (the split launch, also under the interpreter's 4 "SMs"); the most rows.
+SMALL_SHAPES = ((1, 16, 600), (3, 96, 40), (17, 20, 1000), (5, 48, 256), (64, 32, 300))
+# The E2B assistant's (N, K): pre-projection, q / o (sliding, full), gate_up, down, post.
+ASSISTANT_SHAPES = (
+    (256, 3072), (2048, 256), (256, 2048), (4096, 256), (256, 4096), (1536, 256),
+)  # fmt: skip
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        return
+    step = torch.finfo(out.dtype).eps * ref.float().abs() + 1e-6  # one rounding at |ref|
+    worst = ((out.float() - ref.float()).abs() - step).max().item()
+    assert worst <= 0, f"off by {worst} beyond one rounding"
+
+
+def _operands(
+    rows: int, n: int, k: int, dtype: torch.dtype, device: str, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(device, dtype)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+    return x, w
+
+
+def _check_kernel_against_reference(device: str) -> None:
+    from gemma4_spec.ops.small_linear_triton import (
+        _COUNTERS,
+        SmallLinearConfig,
+        small_linear_config,
+        small_linear_kernel,
+    )
+
+    split_seen = False
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, n, k in SMALL_SHAPES:
+            x, w = _operands(rows, n, k, dtype, device)
+            assert small_linear_applies(x, w)
+            split_seen |= small_linear_config(rows, n, k, x.device).splits > 1
+            out = small_linear(x, w)
+            _assert_close(out, small_linear_reference(x, w))
+            assert torch.equal(out, small_linear(x, w)), "a second launch differs"
+        # Leading dimensions and a strided (row-sliced) input.
+        x, w = _operands(6, 40, 72, dtype, device)
+        want = small_linear_reference(x, w).view(2, 3, 40)
+        _assert_close(small_linear(x.view(2, 3, 72), w), want)
+        wide = torch.randn(5, 100, device=device).to(dtype)
+        _assert_close(small_linear(wide[:, :72], w), small_linear_reference(wide[:, :72], w))
+        # Many splits of one step each, launched back to back over the same counters.
+        forced = SmallLinearConfig(16, 16, 16, 7, 1, num_warps=4, num_stages=2)
+        for seed in range(3):
+            x, w = _operands(3, 40, 100, dtype, device, seed)
+            _assert_close(small_linear_kernel(x, w, forced), small_linear_reference(x, w))
+    assert split_seen, "no shape took the split launch"
+    # Every tile counter is back at zero after each split launch: the next starts clean.
+    for counters in _COUNTERS.values():
+        assert not counters.any(), counters.nonzero().tolist()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA tests cover it)")
+def test_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
+    check_under_interpreter("test_small_linear", "_check_kernel_against_reference")
+
+
+@needs_cuda
+def test_kernel_matches_reference_cuda_small() -> None:
+    _check_kernel_against_reference("cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 24, 33, 64])
+def test_assistant_shapes_cuda(rows: int, dtype: torch.dtype) -> None:
+    for n, k in ASSISTANT_SHAPES:
+        x, w = _operands(rows, n, k, dtype, "cuda", seed=rows)
+        _assert_close(small_linear(x, w), small_linear_reference(x, w))
+
+
+@needs_cuda
+def test_graph_replay_cuda() -> None:
+    """Captured once, replayed over new inputs: the replay's output is the eager call's."""
+    x, w = _operands(4, 256, 2048, torch.bfloat16, "cuda")  # a split launch
+    small_linear(x, w)  # outside capture: the counters exist
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = small_linear(x, w)
+    for seed in range(3):
+        fresh, _ = _operands(4, 256, 2048, torch.bfloat16, "cuda", seed=seed + 10)
+        x.copy_(fresh)
+        graph.replay()
+        assert torch.equal(out, small_linear(x, w))
+
+
+def test_falls_back_to_linear() -> None:
+    """Past the row limit, and on a device the kernel cannot run on, it is F.linear exactly."""
+    x, w = _operands(SMALL_LINEAR_MAX_ROWS + 1, 24, 40, torch.float32, "cpu")
+    assert not small_linear_applies(x, w)
+    assert torch.equal(small_linear(x, w), torch.nn.functional.linear(x, w))
+    if not torch.cuda.is_available():
+        few, _ = _operands(3, 24, 40, torch.float32, "cpu")
+        assert torch.equal(small_linear(few, w), torch.nn.functional.linear(few, w))
+    assert not small_linear_applies(x[:3], w.to(torch.float64)), "dtypes differ"
+
+
+def test_custom_op_compiles_with_dynamic_rows() -> None:
+    """The op's fake implementation lets torch.compile trace it with a dynamic row count, and
+    one compiled graph serves every row count."""
+    torch._dynamo.reset()
+    w = torch.randn(24, 40)
+
+    def project(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(torch.ops.gemma4_spec.small_linear(x, w)) + 1
+
+    compiled = torch.compile(project, dynamic=True, backend="aot_eager", fullgraph=True)
+    for rows in (3, 5, 70):
+        x = torch.randn(rows, 40)
+        assert torch.equal(compiled(x), project(x))
+
+
+def test_linear_method_routes_unquantized_layers(set_env) -> None:  # type: ignore[no-untyped-def]
+    """``use_small_rows_linear`` swaps vLLM's unquantized method only (CUDA models, switch on);
+    the swapped method's ``apply`` is the matmul plus bias."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    class Layer(torch.nn.Module):
+        def __init__(self, method: object) -> None:
+            super().__init__()
+            self.quant_method = method
+            self.weight = torch.nn.Parameter(torch.randn(8, 12), requires_grad=False)
+
+    class Other(UnquantizedLinearMethod):  # a subclass: someone else's method, left alone
+        pass
+
+    model = torch.nn.Sequential(Layer(UnquantizedLinearMethod()), Layer(Other()))
+    assert use_small_rows_linear(model, "cpu") == 0
+    assert use_small_rows_linear(model, None) == 0
+    set_env("GEMMA4_SPEC_SMALL_LINEAR", "0")
+    assert use_small_rows_linear(model, "cuda") == 0
+    set_env("GEMMA4_SPEC_SMALL_LINEAR", None)
+    assert use_small_rows_linear(model, "cuda") == 1
+    assert type(model[1].quant_method) is Other
+    layer = model[0]
+    x, bias = torch.randn(3, 12), torch.randn(8)
+    want = torch.nn.functional.linear(x, layer.weight, bias)
+    torch.testing.assert_close(layer.quant_method.apply(layer, x, bias), want)
