@@ -127,13 +127,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_SMALL_LINEAR": "0"},
         "spec": {},
     },
-    # Opt-in, being measured: the draft's attention through Triton's one-pass kernel at every
-    # batch size (spec_decode/runner_v2.py, GEMMA4_SPEC_DRAFT_ONE_PASS=1), not the split-key
-    # kernel and its reduction.
-    "ours-V2-draft1pass": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_DRAFT_ONE_PASS": "1"},
-        "spec": {},
-    },
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):
     # what it changes in a first pass.
     "ours-V2-nowarm": {

@@ -218,18 +218,3 @@ def test_graph_managers_are_built_without_the_speculation_length_schedule(
     spec.init_cudagraph_manager(CUDAGraphMode.FULL_AND_PIECEWISE)
     assert seen == [None if dp_size == 1 else schedule]
     assert config.num_speculative_tokens_per_batch_size is schedule
-
-
-def test_one_pass_draft_attention_clears_split_thresholds() -> None:
-    """``GEMMA4_SPEC_DRAFT_ONE_PASS``'s change: every draft builder with a split-key threshold
-    gets 0 (the one-pass kernel for every one-query step); builders without one are left."""
-    from gemma4_spec.spec_decode.runner_v2 import one_pass_draft_attention
-
-    split = [SimpleNamespace(seq_threshold_3D=16), SimpleNamespace(seq_threshold_3D=8)]
-    other = SimpleNamespace()  # another backend's builder: no such field
-    groups = [[SimpleNamespace(metadata_builders=[split[0], other])],
-              [SimpleNamespace(metadata_builders=[split[1]])]]  # fmt: skip
-    assert one_pass_draft_attention(groups) == 2
-    assert [b.seq_threshold_3D for b in split] == [0, 0]
-    assert not hasattr(other, "seq_threshold_3D")
-    assert one_pass_draft_attention(groups) == 0

@@ -30,9 +30,10 @@ from torch import nn
 from gemma4_spec.switches import turned_off
 
 SMALL_LINEAR_ENV = "GEMMA4_SPEC_SMALL_LINEAR"
-# Up to this many rows the kernel runs: the largest batch of the draft's graphs that still
-# fits one tile of tokens per program (``small_linear_triton.MAX_BLOCK_T``).
-SMALL_LINEAR_MAX_ROWS = 64
+# Up to this many rows the kernel runs: on the H200 it was faster than cuBLAS for a whole
+# draft step's matmuls up to 32 rows and slower at 64 (benchmarks/small_linear.py, figures in
+# benchmarks/results/h200).
+SMALL_LINEAR_MAX_ROWS = 32
 SMALL_LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

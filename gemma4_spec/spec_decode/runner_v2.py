@@ -35,25 +35,6 @@ from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.spec_decode.gemma4.speculator import Gemma4Speculator
 
 from gemma4_spec.ops.draft_inputs import DraftStepBuffers, RunnerV2Step, stage_runner_v2_inputs
-from gemma4_spec.switches import turned_on
-
-DRAFT_ONE_PASS_ENV = "GEMMA4_SPEC_DRAFT_ONE_PASS"
-
-
-def one_pass_draft_attention(attn_groups: list[list[Any]]) -> int:
-    """Has the Triton metadata builders of the draft's attention groups send every one-query
-    step to the one-pass ("2D") kernel: the split-key ("3D") decode kernel and its reduction
-    are two launches per layer, for contexts a draft step's single pass covers (the builder
-    picks the split kernel up to ``seq_threshold_3D`` sequences; 0 means never). Returns how
-    many builders changed."""
-    changed = 0
-    for groups in attn_groups:
-        for group in groups:
-            for builder in getattr(group, "metadata_builders", ()):
-                if getattr(builder, "seq_threshold_3D", 0):
-                    builder.seq_threshold_3D = 0
-                    changed += 1
-    return changed
 
 
 class Gemma4LoopSpeculator(Gemma4Speculator):
@@ -74,13 +55,6 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         )
         self.loop_replays = 0  # proposals replayed from a draft-loop graph
         self.loop_eager = 0  # proposals run eagerly through the same loop
-
-    def set_attn(self, *args: Any, **kwargs: Any) -> None:
-        """vLLM's draft attention groups; with ``GEMMA4_SPEC_DRAFT_ONE_PASS=1`` (opt-in, being
-        measured) their Triton builders never pick the split-key decode kernel."""
-        super().set_attn(*args, **kwargs)
-        if not self._vllms_propose() and turned_on(DRAFT_ONE_PASS_ENV):
-            one_pass_draft_attention(self.attn_groups)
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
         """vLLM's graph managers, without the speculation-length schedule
