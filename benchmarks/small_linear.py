@@ -27,14 +27,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
 from centroid_argmax import _time_cpu, _time_cuda  # noqa: E402
 
+from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
 from gemma4_spec.ops.small_linear import small_linear, small_linear_reference  # noqa: E402
 from gemma4_spec.ops.small_linear_triton import (  # noqa: E402
     SmallLinearConfig,
-    kernel_usable,
     small_linear_config,
     small_linear_kernel,
 )
@@ -62,15 +63,15 @@ def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
 
 def _sweep_configs(rows: int, n: int, k: int, device: torch.device) -> list[SmallLinearConfig]:
     base = small_linear_config(rows, n, k, device)
-    steps = -(-k // base.block_k)
+    steps = triton.cdiv(k, base.block_k)
     configs = []
     for block_n in (16, 32, 64):
         for splits in sorted({1, 2, 4, 8, 16, base.splits}):
             if splits > steps:
                 continue
-            per = -(-steps // splits)
+            per = triton.cdiv(steps, splits)
             for warps in (2, 4):
-                configs.append(base._replace(block_n=block_n, splits=-(-steps // per),
+                configs.append(base._replace(block_n=block_n, splits=triton.cdiv(steps, per),
                                              steps_per_split=per, num_warps=warps))  # fmt: skip
     return configs
 
@@ -89,7 +90,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     reps = args.reps or (200 if cuda else 2)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    if not kernel_usable(device):
+    if not triton_usable(device):
         sys.exit("needs CUDA and triton, or TRITON_INTERPRET=1 on CPU")
     flush = torch.empty(64 << 20 if cuda else 1, dtype=torch.float32, device=device)
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gemma4_spec.ops.centroid_argmax_triton import triton_usable
 from gemma4_spec.switches import turned_off
 
 SMALL_LINEAR_ENV = "GEMMA4_SPEC_SMALL_LINEAR"
@@ -45,11 +46,9 @@ def small_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
 def small_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``small_linear`` runs the kernel for these operands (else F.linear)."""
-    from gemma4_spec.ops.small_linear_triton import kernel_usable
-
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
-        kernel_usable(x.device)
+        triton_usable(x.device)
         and 0 < rows <= SMALL_LINEAR_MAX_ROWS
         and x.dtype in SMALL_LINEAR_DTYPES
         and weight.dtype == x.dtype
@@ -115,12 +114,10 @@ _METHOD_CLASS: type | None = None
 def use_small_rows_linear(model: nn.Module, device: torch.device | str | None) -> int:
     """Gives every unquantized linear layer of ``model`` the small-rows method, on CUDA and
     unless ``GEMMA4_SPEC_SMALL_LINEAR=0``; returns how many layers got it."""
-    from gemma4_spec.ops.small_linear_triton import kernel_usable
-
     if device is None or turned_off(SMALL_LINEAR_ENV):
         return 0
     device = torch.device(device)
-    if device.type != "cuda" or not kernel_usable(device):
+    if device.type != "cuda" or not triton_usable(device):
         return 0
     base = _unquantized_method()
     changed = 0

@@ -34,7 +34,6 @@ from gemma4_spec.ops.centroid_argmax_triton import (
     _capturing,
     _device_sms,
     _dot_precision,
-    triton_usable,
 )
 
 if HAS_TRITON:
@@ -60,31 +59,22 @@ class SmallLinearConfig(NamedTuple):
     num_stages: int
 
 
-def kernel_usable(device: torch.device) -> bool:
-    """Whether the kernel can run on tensors of ``device``."""
-    return triton_usable(device)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def small_linear_config(
     rows: int, columns: int, depth: int, device: torch.device
 ) -> SmallLinearConfig:
     """The sizes ``small_linear_kernel`` launches with for ``[rows, depth] @ [columns, depth]^T``
     (module docstring)."""
-    block_t = min(MAX_BLOCK_T, max(16, _next_power_of_2(rows)))
-    block_k = min(BLOCK_K, max(16, _next_power_of_2(depth)))
+    block_t = min(MAX_BLOCK_T, max(16, triton.next_power_of_2(rows)))
+    block_k = min(BLOCK_K, max(16, triton.next_power_of_2(depth)))
     block_n = 16 if columns <= 4096 else 32
     sms = _device_sms(device)[0] if device.type == "cuda" else INTERPRET_SMS
-    tiles = -(-columns // block_n) * -(-rows // block_t)
-    steps = -(-depth // block_k)
+    tiles = triton.cdiv(columns, block_n) * triton.cdiv(rows, block_t)
+    steps = triton.cdiv(depth, block_k)
     splits = 1
     if steps >= 2 * MIN_STEPS_PER_SPLIT and tiles < sms:
         splits = min(steps // MIN_STEPS_PER_SPLIT, max(1, sms // tiles))
-    per_split = -(-steps // splits)
-    splits = -(-steps // per_split)  # no split without steps
+    per_split = triton.cdiv(steps, splits)
+    splits = triton.cdiv(steps, per_split)  # no split without steps
     return SmallLinearConfig(
         block_t, block_n, block_k, splits, per_split, num_warps=4, num_stages=3
     )
@@ -189,7 +179,7 @@ def small_linear_kernel(
     if rows == 0:
         return out
     cfg = config or small_linear_config(rows, columns, depth, x.device)
-    tiles = -(-columns // cfg.block_n) * -(-rows // cfg.block_t)
+    tiles = triton.cdiv(columns, cfg.block_n) * triton.cdiv(rows, cfg.block_t)
     split = cfg.splits > 1
     if split:
         if tiles > COUNTER_CAPACITY:
