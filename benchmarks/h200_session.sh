@@ -207,11 +207,18 @@ profile-real)  # torch.profiler per engine variant (profile_decode.py), started 
             --batch "${PROFILE_BATCH:-1,16}" --lock /tmp/profile.lock --workdir /tmp/real \
             --acceptance "${PROFILE_ACCEPTANCE:-zero}" \
             --graph-census ${PROFILE_PY:+--py-profile} \
-            > "${logs[-1]}" 2>&1 &
+            --kernels-json "$OUT/kernels_${v}_$argmax.json" > "${logs[-1]}" 2>&1 &
     done
     wait
     for log in "${logs[@]}"; do
         sed -n '/^=====/p;/^CUDA-graph replays/,/^per output token/p;/^per output token/,/CPU busy/p;/^GPU timeline/,/^$/p' "$log"
+    done
+    # Each variant's kernels against the first's (e.g. plain), batch by batch
+    set -- $variants; first=${1%%:*}_ours
+    for f in "$OUT"/kernels_*-b*.json; do
+        case $f in *"/kernels_$first-"*) continue ;; esac
+        b=${f##*-b}; python3 benchmarks/kernel_diff.py --rows 15 \
+            "$OUT/kernels_$first-b$b" "$f" 2>&1
     done
     ;;
 tp2)  # two GPUs (nvidia-h200-x2), after 'install': the TP=2 engine test and the speed rows

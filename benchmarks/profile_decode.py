@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import json
 import os
 import statistics
 import sys
@@ -45,6 +46,12 @@ def main() -> None:
     real_work.add_acceptance_option(parser)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    parser.add_argument(
+        "--kernels-json",
+        default=None,
+        help="also write each device kernel's time per output token here (one file per batch "
+        "size, -b<B> before the suffix), for benchmarks/kernel_diff.py",
+    )
     parser.add_argument("--rows", type=int, default=45)
     parser.add_argument(
         "--graph-census",
@@ -132,7 +139,8 @@ def _profile_batch(llm: Any, prompts: list[Any], args: argparse.Namespace, batch
     if args.py_profile:
         _print_python_profile(run, args.tokens, args.rows)
     # Per output token: a run of 1 + N tokens minus a run of 1 (the prefill), divided by N.
-    base = _totals(profiled(1).key_averages())
+    base_prof = profiled(1)
+    base = _totals(base_prof.key_averages())
     prof = profiled(1 + args.tokens)
     table = prof.key_averages()
     per_step = {
@@ -149,6 +157,29 @@ def _profile_batch(llm: Any, prompts: list[Any], args: argparse.Namespace, batch
     )
     if args.trace:
         prof.export_chrome_trace(args.trace.replace(".json", f"-b{batch}.json"))
+    if args.kernels_json:
+        full, once = _kernel_times(prof.events()), _kernel_times(base_prof.events())
+        per_token = {
+            name: [(n - once.get(name, (0, 0.0))[0]) / args.tokens,
+                   (us - once.get(name, (0, 0.0))[1]) / args.tokens]
+            for name, (n, us) in full.items()
+        }  # fmt: skip
+        record = {"variant": args.variant, "k": args.k, "batch": batch, "kernels": per_token}
+        Path(args.kernels_json.replace(".json", f"-b{batch}.json")).write_text(
+            json.dumps(record, indent=1)
+        )
+
+
+def _kernel_times(events: Any) -> dict[str, tuple[int, float]]:
+    """Device events (kernels, copies, memsets; a graph replay shows its kernels) by name:
+    how many ran and their summed duration in us, from the profiler's timeline."""
+    cpu_names = {e.name for e in events if not str(e.device_type).endswith("CUDA")}
+    times: dict[str, tuple[int, float]] = {}
+    for e in events:
+        if str(e.device_type).endswith("CUDA") and e.name not in cpu_names:
+            n, us = times.get(e.name, (0, 0.0))
+            times[e.name] = (n + 1, us + e.time_range.end - e.time_range.start)
+    return times
 
 
 def _print_graph_census(run: Any, tokens: int) -> None:
