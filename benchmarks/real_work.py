@@ -84,6 +84,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY": "0"},
         "spec": {},
     },
+    # The verification attention's earlier route (patch/patch_triton_attn.py): query tokens
+    # flattened into one-token sequences, against the split kernel taking the requests as
+    # they are; and the split route up to the kernel's whole scratch (128 tokens), not 32.
+    "ours-V2-flatten": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY_FLATTEN": "1"},
+        "spec": {},
+    },
+    "ours-V2-split128": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS": "128"},
+        "spec": {},
+    },
     # vLLM's own V2 speculator (its draft prefill and step graphs) drafting with our model:
     # what our V2 draft loop (patch/patch_v2_speculator.py) earns.
     "ours-V2-vllmloop": {

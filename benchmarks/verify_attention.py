@@ -1,9 +1,10 @@
 """Attention of one target layer in a verification step, through vLLM's Triton kernel: as vLLM
-runs it (requests of ``1 + k`` query tokens: its "2D" kernel) vs rewritten as one-token
-sequences (``ops/flat_queries.py`` + its decode "3D" kernel, the flatten kernel included), with
-a plain decode step (one query token per request) for scale, through vLLM's pick (its "3D"
-kernel up to its threshold of sequences) and through the one-pass kernel (``dec. 2D``: what a
-short-context draft step might prefer). Needs CUDA and vLLM.
+runs it (requests of ``1 + k`` query tokens: its one-pass "2D" kernel), the same requests through
+its split-key "3D" kernel (``max_query_len`` 1: what ``patch/patch_triton_attn.py`` does), and
+rewritten as one-token sequences (``ops/flat_queries.py`` + the split kernel, the flatten kernel
+included), with a plain decode step (one query token per request) for scale, through vLLM's
+pick (the split kernel up to its threshold of sequences) and through the one-pass kernel
+(``dec. 2D``). Needs CUDA and vLLM.
 
 E2B-like layer: 8 query heads, 1 KV head, head size 256 (sliding window 512) or 512 (full
 attention), block size 16, bf16. Each variant in a CUDA graph, cold L2 (``centroid_argmax``'s
@@ -60,6 +61,7 @@ def _measure(
         "vllm_2d": _time_cuda(
             lambda: attend(verify_q, starts, q_len, seq_lens, table), reps, flush
         ),
+        "split_3d": _time_cuda(lambda: attend(verify_q, starts, 1, seq_lens, table), reps, flush),
         "flat_3d": _time_cuda(flat, reps, flush),
         "decode": _time_cuda(
             lambda: attend(verify_q[:batch], decode_starts, 1, seq_lens, table), reps, flush
@@ -84,8 +86,8 @@ def main() -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
     print(
-        f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'flat 3D':>8s} {'decode':>8s} "
-        f"{'dec. 2D':>8s}"
+        f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'split 3D':>8s} {'flat 3D':>8s} "
+        f"{'decode':>8s} {'dec. 2D':>8s}"
     )
     for name, (head_dim, window) in LAYERS.items():
         for context in (int(c) for c in args.context.split(",")):
@@ -93,7 +95,8 @@ def main() -> None:
                 times = _measure(head_dim, window, context, batch, 1 + args.k, args.reps, flush)
                 print(
                     f"{name:12s} {batch:3d} {context:5d} {times['vllm_2d']:8.1f} "
-                    f"{times['flat_3d']:8.1f} {times['decode']:8.1f} {times['decode_2d']:8.1f}",
+                    f"{times['split_3d']:8.1f} {times['flat_3d']:8.1f} {times['decode']:8.1f} "
+                    f"{times['decode_2d']:8.1f}",
                     flush=True,
                 )
                 rows.append(dict(layer=name, batch=batch, context=context, k=args.k, **times))

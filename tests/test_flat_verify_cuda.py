@@ -1,6 +1,8 @@
 """On CUDA with vLLM: the verification step's attention through vLLM's Triton kernel is the same
-whether the query tokens come as requests of ``1 + k`` tokens (vLLM's "2D" kernel) or, rewritten
-by ``ops/flat_queries.py``, as one-token sequences (its decode "3D" kernel). Skips elsewhere."""
+whether requests of ``1 + k`` query tokens go to its one-pass ("2D") kernel, as vLLM sends them,
+or to its split-key ("3D") kernel as they are (``max_query_len`` 1: what
+``patch/patch_triton_attn.py`` does), or rewritten by ``ops/flat_queries.py`` as one-token
+sequences. Skips elsewhere."""
 
 from __future__ import annotations
 
@@ -16,15 +18,18 @@ pytest.importorskip("vllm.v1.attention.ops.triton_unified_attention")
 from gemma4_spec.testing.triton_attention import THRESHOLD_3D, PagedAttention  # noqa: E402
 
 
+@pytest.mark.parametrize("route", ["split", "flatten"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("head_dim", "block_size", "window"), [(256, 16, 0), (256, 16, 64), (512, 64, 0)]
 )
-@pytest.mark.parametrize("batch", [1, 8, 32])
-def test_flat_queries_give_the_same_attention(batch, head_dim, block_size, window, dtype):
-    torch.manual_seed(batch * 7 + head_dim)
+@pytest.mark.parametrize(("batch", "q_len"), [(1, 3), (8, 3), (32, 3), (8, 4), (25, 5)])
+def test_verification_gives_the_same_attention_on_the_split_kernel(
+    batch, q_len, head_dim, block_size, window, dtype, route
+):
+    torch.manual_seed(batch * 7 + head_dim + q_len)
     device = torch.device("cuda")
-    q_len, heads, kv_heads, pad_reqs = 3, 8, 1, 1
+    heads, kv_heads, pad_reqs = 8, 1, 1
     seq_lens = torch.randint(q_len, 300, (batch,), device=device)
     blocks_per_req = (300 + block_size - 1) // block_size
     num_blocks = batch * blocks_per_req + 1
@@ -43,9 +48,12 @@ def test_flat_queries_give_the_same_attention(batch, head_dim, block_size, windo
     attention = PagedAttention(key_cache, value_cache, heads, window)
     longest = int(seq_lens.max())
     want = attention(q, starts, q_len, seq_lens, table, longest, torch.full_like(q, float("nan")))
-    buffers = FlatQueryBuffers(THRESHOLD_3D, blocks_per_req, device)
-    flat = flatten_queries(starts, seq_lens, table, num_tokens, buffers)
-    got = attention(q, flat[0], 1, flat[1], flat[2], longest, torch.full_like(q, float("nan")))
+    if route == "split":  # the requests as they are, through the split-key kernel
+        got = attention(q, starts, 1, seq_lens, table, longest, torch.full_like(q, float("nan")))
+    else:
+        buffers = FlatQueryBuffers(THRESHOLD_3D, blocks_per_req, device)
+        flat = flatten_queries(starts, seq_lens, table, num_tokens, buffers)
+        got = attention(q, flat[0], 1, flat[1], flat[2], longest, torch.full_like(q, float("nan")))
 
     real = batch * q_len
     # vLLM's kernel multiplies float32 in TF32 (tl.dot's default), and the two kernels tile

@@ -43,8 +43,20 @@ def _verification_batch() -> FakeMetadata:
     )
 
 
-def test_rewrite_gives_one_token_sequences() -> None:
+def test_rewrite_sends_the_batch_to_the_split_kernel() -> None:
+    # The split-key kernel takes multi-token requests as they are: only max_query_len, which
+    # vLLM picks the kernel by, changes.
     flat = FlatVerify(max_query_len=3, capacity=16)
+    metadata = _verification_batch()
+    before = (metadata.query_start_loc, metadata.seq_lens, metadata.block_table)
+    out = flat.rewrite(_common(3, 9), metadata)
+    assert out.max_query_len == 1 and flat.rewrites == 1
+    assert (out.query_start_loc, out.seq_lens, out.block_table) == before
+    assert out.query_start_loc.tolist() == [0, 3, 6, 6]
+
+
+def test_flatten_rewrite_gives_one_token_sequences() -> None:
+    flat = FlatVerify(max_query_len=3, capacity=16, flatten=True)
     metadata = _verification_batch()
     want = flatten_queries_reference(
         metadata.query_start_loc, metadata.seq_lens, metadata.block_table, 9
@@ -56,8 +68,8 @@ def test_rewrite_gives_one_token_sequences() -> None:
     assert torch.equal(out.block_table[:6], want[2][:6])
 
 
-def test_rewrite_reuses_the_same_buffers() -> None:
-    flat = FlatVerify(max_query_len=3, capacity=16)
+def test_flatten_rewrite_reuses_the_same_buffers() -> None:
+    flat = FlatVerify(max_query_len=3, capacity=16, flatten=True)
     first = flat.rewrite(_common(3, 9), _verification_batch())
     second = flat.rewrite(_common(3, 9), _verification_batch())
     for name in ("query_start_loc", "seq_lens", "block_table"):
@@ -78,7 +90,6 @@ def test_metadata_without_cascade_field_is_rewritten() -> None:
     metadata = NoCascade(batch.query_start_loc, batch.seq_lens, batch.block_table, 3)
     out = FlatVerify(max_query_len=3, capacity=16).rewrite(_common(3, 9), metadata)
     assert out.max_query_len == 1
-    assert out.seq_lens.shape[0] == 9
 
 
 @pytest.mark.parametrize(
@@ -135,8 +146,14 @@ def vllm_026(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_enabled_for_gemma4_mtp_on_cuda(vllm_026: None) -> None:
     flat = patch_triton_attn._make_flat_verify(_builder())
-    assert flat is not None and flat.max_query_len == 3
+    assert flat is not None and flat.max_query_len == 3 and not flat.flatten
     assert flat.capacity == min(128, patch_triton_attn.FLAT_VERIFY_MAX_TOKENS)
+
+
+def test_flattening_chosen_by_environment(vllm_026: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(patch_triton_attn.FLATTEN_ENV, "1")
+    flat = patch_triton_attn._make_flat_verify(_builder())
+    assert flat is not None and flat.flatten
 
 
 @pytest.mark.parametrize(
@@ -214,5 +231,5 @@ def test_apply_wraps_build_once_and_rewrites_verification_batches(vllm_026: None
     assert builder.build(0, _common(3, 9)).max_query_len == 1
     assert builder.build(common_prefix_len=0, common_attn_metadata=_common(3, 9)).max_query_len == 1
     assert patch_triton_attn.rewrites_of(builder) == 2
-    # Its flattening ran on CPU tensors (the torch reference): nothing to replay from graphs.
+    # The split kernel needs no flattening: nothing to replay from graphs.
     assert patch_triton_attn.flatten_replays_of(builder) == 0

@@ -1,32 +1,36 @@
-"""Verification attention on vLLM's Triton backend through its decode kernel.
+"""Verification attention on vLLM's Triton backend through its split-key ("3D") kernel.
 
 Wraps: ``vllm.v1.attention.backends.triton_attn.TritonAttentionMetadataBuilder.build``. The
 original builds the metadata; when the batch is a gemma4_mtp verification step (at most
-``1 + k`` query tokens per request, some request with more than one), its query tokens are
-rewritten as one-token sequences (``ops/flat_queries.py``) into buffers of fixed address, and
-``max_query_len`` becomes 1. The Triton backend then runs its decode ("3D") kernel, which splits
-every sequence's keys over several programs, instead of the one-program-per-KV-head kernel it
-uses for ``q_len > 1``: on the E2B-shaped H200 benchmark, 16 -> 7.5 us per target layer at
-batch 1, k = 2 (35 layers per step; ``benchmarks/results/h200``).
+``1 + k`` query tokens per request, some request with more than one), ``max_query_len``
+becomes 1. vLLM's Triton attention picks its kernel by it: for ``q_len > 1`` one program per
+request and KV head walks all of the request's keys ("2D"), which leaves most of the GPU idle
+at small batches; for decode batches it splits every sequence's keys over several programs and
+reduces their partial softmaxes ("3D"). The split kernel itself is general in the query: each
+program loads a block of a request's query tokens, masks keys causally per token
+(``context_len + token index``) and writes partial results per query token, which the
+reduction combines per token; only vLLM's choice of kernel sends multi-token requests to the
+one-pass kernel. So the step is the same attention (``tests/test_flat_verify_cuda.py`` holds
+the two kernels to each other), on the split kernel.
 
-Why it is the same attention: with causal masking, the query token at position ``p`` sees keys
-``0..p``; as its own sequence of length ``p + 1`` on the same block table it sees the same
-keys, and vLLM has already written the step's K/V to the cache before attention runs.
+``GEMMA4_SPEC_FLAT_VERIFY_FLATTEN=1`` instead rewrites the query tokens as one-token sequences
+(``ops/flat_queries.py``) into buffers of fixed address: what this patch did before the split
+kernel was found to take multi-token requests (kept for one A/B run on the GPU).
 
 Only where the rewrite is the same at CUDA-graph capture and at replay: the decision depends
 on the number of tokens (the graph's key) and ``max_query_len``; full graphs for mixed batches
 (``cudagraph_mode`` FULL) would be captured with one ``max_query_len`` and replayed with
 another, so that mode turns it off. Also off for: CPU, other speculative methods, more tokens
-than the decode kernel takes (``seq_threshold_3D``) or than ``FLAT_VERIFY_MAX_TOKENS`` (where
-the split no longer pays), cascade attention, multimodal prefix ranges, rolling sliding
-windows, decode context parallelism, micro-batching, KV-sharing fast prefill (its metadata
-derives logits indices from the query layout), vLLM versions other than
-``compat.FLAT_VERIFY_VLLM``, and with ``GEMMA4_SPEC_FLAT_VERIFY=0``.
+than the split kernel's scratch holds (``seq_threshold_3D`` query tokens) or than
+``FLAT_VERIFY_MAX_TOKENS`` (where the split no longer pays), cascade attention, multimodal
+prefix ranges, rolling sliding windows, decode context parallelism, micro-batching, KV-sharing
+fast prefill (its metadata derives logits indices from the query layout), vLLM versions other
+than ``compat.FLAT_VERIFY_VLLM``, and with ``GEMMA4_SPEC_FLAT_VERIFY=0``.
 
 Both model runners: each builds the step's metadata through ``build`` before it replays a full
 graph (with ``GEMMA4_SPEC_V2_DRAFT_LOOP=0``, V2 also for vLLM's draft prefill, which reuses the
-target's metadata), so the flattened buffers are written before every replay that reads them.
-vLLM versions: 0.26 (the class and the fields rewritten exist in 0.26 - 0.33).
+target's metadata). vLLM versions: 0.26 (the class and the fields rewritten exist in 0.26 -
+0.33).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
 # benchmarks/verify_attention.py, is faster up to 24 tokens and slower at 96). Figures in
 # benchmarks/results/h200. Tunable with GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
 FLAT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "32"))
+FLATTEN_ENV = "GEMMA4_SPEC_FLAT_VERIFY_FLATTEN"
 
 logger = get_logger(__name__)
 _logged = False
@@ -77,9 +82,10 @@ def apply(module: ModuleType) -> None:
 class FlatVerify:
     """One builder's rewrite of verification batches, with its own fixed-address buffers."""
 
-    def __init__(self, max_query_len: int, capacity: int) -> None:
+    def __init__(self, max_query_len: int, capacity: int, flatten: bool = False) -> None:
         self.max_query_len = max_query_len
         self.capacity = capacity
+        self.flatten = flatten
         self.rewrites = 0  # builds rewritten so far (the GPU engine test checks it is used)
         self._buffers: Any = None
 
@@ -98,10 +104,14 @@ class FlatVerify:
     def rewrite(self, common: Any, metadata: Any) -> Any:
         if not self.applies(common, metadata):
             return metadata
+        _log_once()
+        self.rewrites += 1
+        if not self.flatten:
+            metadata.max_query_len = 1
+            return metadata
         table = metadata.block_table
         if self._buffers is None:  # the runner's block tables keep one width
             self._buffers = FlatQueryBuffers(self.capacity, table.shape[1], table.device)
-        _log_once()
         starts, lens, rows = flatten_queries(
             metadata.query_start_loc,
             metadata.seq_lens,
@@ -113,7 +123,6 @@ class FlatVerify:
         metadata.seq_lens = lens
         metadata.block_table = rows
         metadata.max_query_len = 1
-        self.rewrites += 1
         return metadata
 
 
@@ -162,7 +171,9 @@ def _make_flat_verify(builder: Any) -> FlatVerify | None:
     ):
         return None
     capacity = min(builder.seq_threshold_3D, FLAT_VERIFY_MAX_TOKENS)
-    return FlatVerify(1 + spec.num_speculative_tokens, capacity)
+    return FlatVerify(
+        1 + spec.num_speculative_tokens, capacity, flatten=os.environ.get(FLATTEN_ENV) == "1"
+    )
 
 
 def _log_once() -> None:
@@ -170,7 +181,7 @@ def _log_once() -> None:
     if not _logged:
         _logged = True
         logger.info(
-            "gemma4_spec: verification attention runs each query token as its own sequence "
-            "(Triton decode kernel); %s=0 turns this off.",
+            "gemma4_spec: verification attention runs through the Triton backend's split-key "
+            "kernel; %s=0 turns this off.",
             FLAT_VERIFY_ENV,
         )
