@@ -19,7 +19,7 @@ from pathlib import Path
 FAMILIES: tuple[tuple[str, str], ...] = (
     ("matmul (ours)", r"^_small_linear"),
     ("draft argmax (ours)", r"^_(centroid|vocab_argmax|persistent|scores_dot|select_rank)"),
-    ("verification and staging (ours)", r"^_(verify|flatten|stage|draft_rows|next_tokens)"),
+    ("verification and staging (ours)", r"^_(verify|stage|draft_rows|next_tokens)"),
     ("matmul (cuBLAS)", r"nvjet|gemm|splitKreduce|cutlass|xmma"),
     ("attention", r"unified_attention|reduce_segments|attn"),
     ("Inductor fused", r"^triton_"),

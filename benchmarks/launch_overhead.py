@@ -1,8 +1,7 @@
 """Host cost of launching our small per-step kernels, against replaying them from a CUDA graph.
 
-Every verification step launches the query-flattening kernel once per target KV cache group
-(five for E2B shapes), and every draft replay launches the input-staging kernel once: small
-kernels whose GPU time is a microsecond or two, launched from Python through Triton's JIT
+Every draft replay launches the input-staging kernel once: a small kernel whose GPU time is a
+microsecond or two, launched from Python through Triton's JIT
 dispatch, on a step the host bounds at small batches. This times, per call, the host CPU of
 (a) the plain Triton launch, (b) the call as the plugin makes it (``ops/graphed_launch.py``: a
 key, then a CUDA-graph replay of the launch), (c) the bare graph replay, and (d) one small
@@ -28,7 +27,6 @@ from gemma4_spec.ops.draft_inputs import (  # noqa: E402
     DraftStepSources,
     stage_draft_inputs,
 )
-from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries  # noqa: E402
 from gemma4_spec.ops.graphed_launch import GraphedLaunches  # noqa: E402
 
 
@@ -71,18 +69,8 @@ def main() -> None:
     args = parser.parse_args()
     dev = torch.device("cuda")
     b, q, width = 1, 3, 32  # batch 1, k = 2
-    qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * q
     seq_lens = torch.full((b,), 200, dtype=torch.int32, device=dev)
     table = torch.randint(1, 999, (b, width), dtype=torch.int32, device=dev)
-    plain_flat, flat = FlatQueryBuffers(64, width, dev), FlatQueryBuffers(64, width, dev)
-    plain_flat.launches.disabled = "timed as a plain launch"
-
-    def flatten_plain() -> object:
-        return flatten_queries(qsl, seq_lens, table, b * q, plain_flat)
-
-    def flatten() -> object:
-        return flatten_queries(qsl, seq_lens, table, b * q, flat)
-
     hidden = torch.randn(b * q, 1536, dtype=torch.bfloat16, device=dev)
     src = DraftStepSources(
         next_token_ids=torch.zeros(b, dtype=torch.int32, device=dev),
@@ -111,10 +99,7 @@ def main() -> None:
 
     small = torch.zeros(64, dtype=torch.int32, device=dev)
     print("host CPU per call, us: plain Triton launch / as the plugin calls it / bare replay")
-    for name, plain, ours in (
-        ("flatten_queries", flatten_plain, flatten),
-        ("stage_draft_inputs", stage_plain, stage),
-    ):
+    for name, plain, ours in (("stage_draft_inputs", stage_plain, stage),):
         cells = [host_us(plain, args.reps), host_us(ours, args.reps)]
         cells.append(host_us(graphed(plain), args.reps))
         print(f"  {name:20s} " + " / ".join(f"{c:6.1f}" for c in cells))

@@ -78,21 +78,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the plugin's default.
     "ours-V1": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "spec": {}},
     "ours-V2": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "spec": {}},
-    # Diagnostic, not run unless named in --variants: ours on V2 without the flat verification
-    # attention (patch/patch_triton_attn.py), to measure what that shortcut earns in one run.
+    # Diagnostic, not run unless named in --variants: ours on V2 without the split-key
+    # verification attention (patch/patch_triton_attn.py), to measure what it earns in one run.
     "ours-V2-noflat": {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY": "0"},
-        "spec": {},
-    },
-    # The verification attention's earlier route (patch/patch_triton_attn.py): query tokens
-    # flattened into one-token sequences, against the split kernel taking the requests as
-    # they are; and the split route up to the kernel's whole scratch (128 tokens), not 32.
-    "ours-V2-flatten": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY_FLATTEN": "1"},
-        "spec": {},
-    },
-    "ours-V2-split128": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS": "128"},
         "spec": {},
     },
     # vLLM's own V2 speculator (its draft prefill and step graphs) drafting with our model:

@@ -1,9 +1,8 @@
 """Attention of one target layer in a verification step, through vLLM's Triton kernel: as vLLM
-runs it (requests of ``1 + k`` query tokens: its one-pass "2D" kernel), the same requests through
-its split-key "3D" kernel (``max_query_len`` 1: what ``patch/patch_triton_attn.py`` does), and
-rewritten as one-token sequences (``ops/flat_queries.py`` + the split kernel, the flatten kernel
-included), with a plain decode step (one query token per request) for scale, through vLLM's
-pick (the split kernel up to its threshold of sequences) and through the one-pass kernel
+runs it (requests of ``1 + k`` query tokens: its one-pass "2D" kernel) and the same requests
+through its split-key "3D" kernel (``max_query_len`` 1: what ``patch/patch_triton_attn.py``
+does), with a plain decode step (one query token per request) for scale, through vLLM's pick
+(the split kernel up to its threshold of sequences) and through the one-pass kernel
 (``dec. 2D``). Needs CUDA and vLLM.
 
 E2B-like layer: 8 query heads, 1 KV head, head size 256 (sliding window 512) or 512 (full
@@ -26,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from centroid_argmax import _time_cuda  # noqa: E402
 
-from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries  # noqa: E402
-from gemma4_spec.testing.triton_attention import THRESHOLD_3D, PagedAttention  # noqa: E402
+from gemma4_spec.testing.triton_attention import PagedAttention  # noqa: E402
 
 HEADS, KV_HEADS, BLOCK = 8, 1, 16
 LAYERS = {"sliding-256": (256, 512), "full-512": (512, 0)}
@@ -37,7 +35,7 @@ def _measure(
     head_dim: int, window: int, context: int, batch: int, q_len: int, reps: int,
     flush: torch.Tensor,
 ) -> dict[str, float]:  # fmt: skip
-    """us of the three variants for one layer shape."""
+    """us of each variant for one layer shape."""
     device = flush.device
     blocks = (context + q_len + BLOCK - 1) // BLOCK
     cache = torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, head_dim, device=device).bfloat16()
@@ -50,19 +48,12 @@ def _measure(
     verify_q = torch.randn(batch * q_len, HEADS, head_dim, device=device).bfloat16()
     starts = (torch.arange(batch + 1, device=device) * q_len).int()
     seq_lens = torch.full((batch,), context + q_len, device=device).int()
-    buffers = FlatQueryBuffers(THRESHOLD_3D, blocks, device)
-
-    def flat():  # type: ignore[no-untyped-def]
-        s, n, t = flatten_queries(starts, seq_lens, table, batch * q_len, buffers)
-        return attend(verify_q, s, 1, n, t)
-
     decode_starts = torch.arange(batch + 1, device=device).int()
     return {
         "vllm_2d": _time_cuda(
             lambda: attend(verify_q, starts, q_len, seq_lens, table), reps, flush
         ),
         "split_3d": _time_cuda(lambda: attend(verify_q, starts, 1, seq_lens, table), reps, flush),
-        "flat_3d": _time_cuda(flat, reps, flush),
         "decode": _time_cuda(
             lambda: attend(verify_q[:batch], decode_starts, 1, seq_lens, table), reps, flush
         ),
@@ -86,7 +77,7 @@ def main() -> None:
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     rows = []
     print(
-        f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'split 3D':>8s} {'flat 3D':>8s} "
+        f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'split 3D':>8s} "
         f"{'decode':>8s} {'dec. 2D':>8s}"
     )
     for name, (head_dim, window) in LAYERS.items():
@@ -95,7 +86,7 @@ def main() -> None:
                 times = _measure(head_dim, window, context, batch, 1 + args.k, args.reps, flush)
                 print(
                     f"{name:12s} {batch:3d} {context:5d} {times['vllm_2d']:8.1f} "
-                    f"{times['split_3d']:8.1f} {times['flat_3d']:8.1f} {times['decode']:8.1f} "
+                    f"{times['split_3d']:8.1f} {times['decode']:8.1f} "
                     f"{times['decode_2d']:8.1f}",
                     flush=True,
                 )

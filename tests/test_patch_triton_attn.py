@@ -11,9 +11,8 @@ import pytest
 import torch
 from vllm.config import CUDAGraphMode
 
-from gemma4_spec.ops.flat_queries import flatten_queries_reference
 from gemma4_spec.patch import patch_triton_attn
-from gemma4_spec.patch.patch_triton_attn import FLAT_VERIFY_ENV, FlatVerify
+from gemma4_spec.patch.patch_triton_attn import FLAT_VERIFY_ENV, SplitKeyVerify
 
 
 @dataclass
@@ -46,34 +45,13 @@ def _verification_batch() -> FakeMetadata:
 def test_rewrite_sends_the_batch_to_the_split_kernel() -> None:
     # The split-key kernel takes multi-token requests as they are: only max_query_len, which
     # vLLM picks the kernel by, changes.
-    flat = FlatVerify(max_query_len=3, capacity=16)
+    flat = SplitKeyVerify(max_query_len=3, capacity=16)
     metadata = _verification_batch()
     before = (metadata.query_start_loc, metadata.seq_lens, metadata.block_table)
     out = flat.rewrite(_common(3, 9), metadata)
     assert out.max_query_len == 1 and flat.rewrites == 1
     assert (out.query_start_loc, out.seq_lens, out.block_table) == before
     assert out.query_start_loc.tolist() == [0, 3, 6, 6]
-
-
-def test_flatten_rewrite_gives_one_token_sequences() -> None:
-    flat = FlatVerify(max_query_len=3, capacity=16, flatten=True)
-    metadata = _verification_batch()
-    want = flatten_queries_reference(
-        metadata.query_start_loc, metadata.seq_lens, metadata.block_table, 9
-    )
-    out = flat.rewrite(_common(3, 9), metadata)
-    assert out.max_query_len == 1 and flat.rewrites == 1
-    assert out.query_start_loc.tolist() == want[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 6, 6, 6]
-    assert out.seq_lens.tolist() == [8, 9, 10, 5, 6, 7, 0, 0, 0]
-    assert torch.equal(out.block_table[:6], want[2][:6])
-
-
-def test_flatten_rewrite_reuses_the_same_buffers() -> None:
-    flat = FlatVerify(max_query_len=3, capacity=16, flatten=True)
-    first = flat.rewrite(_common(3, 9), _verification_batch())
-    second = flat.rewrite(_common(3, 9), _verification_batch())
-    for name in ("query_start_loc", "seq_lens", "block_table"):
-        assert getattr(first, name).data_ptr() == getattr(second, name).data_ptr(), name
 
 
 def test_metadata_without_cascade_field_is_rewritten() -> None:
@@ -88,7 +66,7 @@ def test_metadata_without_cascade_field_is_rewritten() -> None:
 
     batch = _verification_batch()
     metadata = NoCascade(batch.query_start_loc, batch.seq_lens, batch.block_table, 3)
-    out = FlatVerify(max_query_len=3, capacity=16).rewrite(_common(3, 9), metadata)
+    out = SplitKeyVerify(max_query_len=3, capacity=16).rewrite(_common(3, 9), metadata)
     assert out.max_query_len == 1
 
 
@@ -109,7 +87,7 @@ def test_other_batches_are_left_alone(change: dict, common: SimpleNamespace) -> 
     for name, value in change.items():
         setattr(metadata, name, value)
     before = (metadata.query_start_loc, metadata.seq_lens, metadata.block_table)
-    out = FlatVerify(max_query_len=3, capacity=16).rewrite(common, metadata)
+    out = SplitKeyVerify(max_query_len=3, capacity=16).rewrite(common, metadata)
     assert (out.query_start_loc, out.seq_lens, out.block_table) == before
     assert out.max_query_len == metadata.max_query_len
 
@@ -145,15 +123,9 @@ def vllm_026(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_enabled_for_gemma4_mtp_on_cuda(vllm_026: None) -> None:
-    flat = patch_triton_attn._make_flat_verify(_builder())
-    assert flat is not None and flat.max_query_len == 3 and not flat.flatten
-    assert flat.capacity == min(128, patch_triton_attn.FLAT_VERIFY_MAX_TOKENS)
-
-
-def test_flattening_chosen_by_environment(vllm_026: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(patch_triton_attn.FLATTEN_ENV, "1")
-    flat = patch_triton_attn._make_flat_verify(_builder())
-    assert flat is not None and flat.flatten
+    flat = patch_triton_attn._make_split_verify(_builder())
+    assert flat is not None and flat.max_query_len == 3
+    assert flat.capacity == min(128, patch_triton_attn.SPLIT_VERIFY_MAX_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -171,7 +143,7 @@ def test_flattening_chosen_by_environment(vllm_026: None, monkeypatch: pytest.Mo
     ],
 )
 def test_disabled_where_capture_and_replay_could_differ(vllm_026: None, override: dict) -> None:
-    assert patch_triton_attn._make_flat_verify(_builder(**override)) is None
+    assert patch_triton_attn._make_split_verify(_builder(**override)) is None
 
 
 def test_enabled_when_vllm_renames_the_method_mtp(vllm_026: None) -> None:
@@ -180,21 +152,21 @@ def test_enabled_when_vllm_renames_the_method_mtp(vllm_026: None) -> None:
     spec = builder.vllm_config.speculative_config
     spec.method = "mtp"
     spec.use_gemma4_mtp = lambda: True
-    assert patch_triton_attn._make_flat_verify(builder) is not None
+    assert patch_triton_attn._make_split_verify(builder) is not None
     spec.use_gemma4_mtp = lambda: False
-    assert patch_triton_attn._make_flat_verify(builder) is None
+    assert patch_triton_attn._make_split_verify(builder) is None
 
 
 def test_disabled_by_environment(vllm_026: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FLAT_VERIFY_ENV, "0")
-    assert patch_triton_attn._make_flat_verify(_builder()) is None
+    assert patch_triton_attn._make_split_verify(_builder()) is None
 
 
 def test_enabled_on_both_model_runners(vllm_026: None) -> None:
     # Both runners build a step's metadata before replaying the graph that reads it.
     for v2 in (False, True):
         builder = _builder(**{"vllm_config.use_v2_model_runner": v2})
-        assert patch_triton_attn._make_flat_verify(builder) is not None
+        assert patch_triton_attn._make_split_verify(builder) is not None
 
 
 def test_disabled_on_untested_vllm_versions() -> None:
@@ -231,5 +203,3 @@ def test_apply_wraps_build_once_and_rewrites_verification_batches(vllm_026: None
     assert builder.build(0, _common(3, 9)).max_query_len == 1
     assert builder.build(common_prefix_len=0, common_attn_metadata=_common(3, 9)).max_query_len == 1
     assert patch_triton_attn.rewrites_of(builder) == 2
-    # The split kernel needs no flattening: nothing to replay from graphs.
-    assert patch_triton_attn.flatten_replays_of(builder) == 0

@@ -2,10 +2,9 @@
 
 Launching a Triton kernel from Python costs the host ~40 us on the H200 machine (argument
 binding, specialization, cache lookup), against ~4 us to replay the same launch from a CUDA
-graph (``benchmarks/launch_overhead.py``). The plugin launches a few tiny kernels every
-speculative step, outside any graph: query flattening once per target KV cache group, the
-draft-input staging once. At small batches the step is bound by the host, so those launches
-are on its critical path.
+graph (``benchmarks/launch_overhead.py``). The plugin launches a tiny kernel every speculative
+step, outside any graph: the draft-input staging. At small batches the step is bound by the
+host, so that launch is on its critical path.
 
 ``GraphedLaunches.run(key, launch)`` runs ``launch`` (a callable that launches kernels over
 tensors it closes over) and, the first time a ``key`` is seen, also captures it in a CUDA graph;

@@ -13,19 +13,16 @@ reduction combines per token; only vLLM's choice of kernel sends multi-token req
 one-pass kernel. So the step is the same attention (``tests/test_flat_verify_cuda.py`` holds
 the two kernels to each other), on the split kernel.
 
-``GEMMA4_SPEC_FLAT_VERIFY_FLATTEN=1`` instead rewrites the query tokens as one-token sequences
-(``ops/flat_queries.py``) into buffers of fixed address: what this patch did before the split
-kernel was found to take multi-token requests (kept for one A/B run on the GPU).
-
 Only where the rewrite is the same at CUDA-graph capture and at replay: the decision depends
 on the number of tokens (the graph's key) and ``max_query_len``; full graphs for mixed batches
 (``cudagraph_mode`` FULL) would be captured with one ``max_query_len`` and replayed with
 another, so that mode turns it off. Also off for: CPU, other speculative methods, more tokens
 than the split kernel's scratch holds (``seq_threshold_3D`` query tokens) or than
-``FLAT_VERIFY_MAX_TOKENS`` (where the split no longer pays), cascade attention, multimodal
+``SPLIT_VERIFY_MAX_TOKENS`` (where the split no longer pays), cascade attention, multimodal
 prefix ranges, rolling sliding windows, decode context parallelism, micro-batching, KV-sharing
 fast prefill (its metadata derives logits indices from the query layout), vLLM versions other
-than ``compat.FLAT_VERIFY_VLLM``, and with ``GEMMA4_SPEC_FLAT_VERIFY=0``.
+than ``compat.FLAT_VERIFY_VLLM``, and with ``GEMMA4_SPEC_FLAT_VERIFY=0`` (the switch keeps the name
+of the first version of this patch, which rewrote each query token as a one-token sequence).
 
 Both model runners: each builds the step's metadata through ``build`` before it replays a full
 graph (with ``GEMMA4_SPEC_V2_DRAFT_LOOP=0``, V2 also for vLLM's draft prefill, which reuses the
@@ -42,20 +39,18 @@ from typing import Any
 
 from gemma4_spec.compat import flat_verify_supported
 from gemma4_spec.log import get_logger
-from gemma4_spec.ops.flat_queries import FlatQueryBuffers, flatten_queries
 from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
 from gemma4_spec.switches import turned_off
 
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
-# Up to this many query tokens a verification batch goes to the decode kernel: where the whole
-# engine ran faster with the rewrite than without it on the H200 (E2B shape, k = 3, real_work's
-# ours-V2 against ours-V2-noflat: faster at 4 and 32 tokens, slower at 64; one layer alone,
-# benchmarks/verify_attention.py, is faster up to 24 tokens and slower at 96). Figures in
-# benchmarks/results/h200. Tunable with GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
-FLAT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "32"))
-FLATTEN_ENV = "GEMMA4_SPEC_FLAT_VERIFY_FLATTEN"
+# Up to this many query tokens a verification batch goes to the split kernel: the whole engine
+# ran faster with the rewrite than without it up to 32 tokens on the H200 (E2B shape), and at
+# 96 (batch 32, k = 2) slower than vLLM's one-pass kernel, although one layer alone was faster
+# there (benchmarks/verify_attention.py). Figures in benchmarks/results/h200. Tunable with
+# GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
+SPLIT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "32"))
 
 logger = get_logger(__name__)
 _logged = False
@@ -70,24 +65,22 @@ def apply(module: ModuleType) -> None:
     @functools.wraps(original)
     def build(self: Any, *args: Any, **kwargs: Any) -> Any:
         metadata = original(self, *args, **kwargs)
-        flat = _flat_verify_of(self)
-        if flat is None:
+        split = _split_verify_of(self)
+        if split is None:
             return metadata
         common = kwargs["common_attn_metadata"] if "common_attn_metadata" in kwargs else args[1]
-        return flat.rewrite(common, metadata)
+        return split.rewrite(common, metadata)
 
     builder_cls.build = ours(build)
 
 
-class FlatVerify:
-    """One builder's rewrite of verification batches, with its own fixed-address buffers."""
+class SplitKeyVerify:
+    """One builder's rewrite of verification batches onto the split-key kernel."""
 
-    def __init__(self, max_query_len: int, capacity: int, flatten: bool = False) -> None:
+    def __init__(self, max_query_len: int, capacity: int) -> None:
         self.max_query_len = max_query_len
-        self.capacity = capacity
-        self.flatten = flatten
+        self.capacity = capacity  # query tokens the split kernel's scratch holds, at most
         self.rewrites = 0  # builds rewritten so far (the GPU engine test checks it is used)
-        self._buffers: Any = None
 
     def applies(self, common: Any, metadata: Any) -> bool:
         # ``use_cascade``: 0.26's Triton metadata has it; from 0.32 the backend has no cascade
@@ -102,54 +95,31 @@ class FlatVerify:
         )
 
     def rewrite(self, common: Any, metadata: Any) -> Any:
-        if not self.applies(common, metadata):
-            return metadata
-        _log_once()
-        self.rewrites += 1
-        if not self.flatten:
+        if self.applies(common, metadata):
+            _log_once()
+            self.rewrites += 1
             metadata.max_query_len = 1
-            return metadata
-        table = metadata.block_table
-        if self._buffers is None:  # the runner's block tables keep one width
-            self._buffers = FlatQueryBuffers(self.capacity, table.shape[1], table.device)
-        starts, lens, rows = flatten_queries(
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            table,
-            common.num_actual_tokens,
-            self._buffers,
-        )
-        metadata.query_start_loc = starts
-        metadata.seq_lens = lens
-        metadata.block_table = rows
-        metadata.max_query_len = 1
         return metadata
 
 
-# Attribute of a builder holding its FlatVerify (or None: the rewrite is off for it).
-_STATE = "_gemma4_spec_flat_verify"
+# Attribute of a builder holding its SplitKeyVerify (or None: the rewrite is off for it).
+_STATE = "_gemma4_spec_split_verify"
 
 
-def _flat_verify_of(builder: Any) -> FlatVerify | None:
-    """The builder's ``FlatVerify``, or None where the rewrite is off (decided once)."""
+def _split_verify_of(builder: Any) -> SplitKeyVerify | None:
+    """The builder's ``SplitKeyVerify``, or None where the rewrite is off (decided once)."""
     if _STATE not in vars(builder):
-        setattr(builder, _STATE, _make_flat_verify(builder))
+        setattr(builder, _STATE, _make_split_verify(builder))
     return vars(builder)[_STATE]
 
 
 def rewrites_of(builder: Any) -> int:
     """How many of this builder's builds were rewritten (0 if it never built or is off)."""
-    flat = vars(builder).get(_STATE)
-    return 0 if flat is None else flat.rewrites
+    split = vars(builder).get(_STATE)
+    return 0 if split is None else split.rewrites
 
 
-def flatten_replays_of(builder: Any) -> int:
-    """How many of this builder's query flattenings were replayed from a CUDA graph."""
-    flat = vars(builder).get(_STATE)
-    return 0 if flat is None or flat._buffers is None else flat._buffers.launches.replays
-
-
-def _make_flat_verify(builder: Any) -> FlatVerify | None:
+def _make_split_verify(builder: Any) -> SplitKeyVerify | None:
     from vllm.config import CUDAGraphMode
 
     config = builder.vllm_config
@@ -170,10 +140,9 @@ def _make_flat_verify(builder: Any) -> FlatVerify | None:
         or not getattr(builder, "seq_threshold_3D", 0)
     ):
         return None
-    capacity = min(builder.seq_threshold_3D, FLAT_VERIFY_MAX_TOKENS)
-    return FlatVerify(
-        1 + spec.num_speculative_tokens, capacity, flatten=os.environ.get(FLATTEN_ENV) == "1"
-    )
+    # The split kernel's scratch has a row per query token for seq_threshold_3D tokens.
+    capacity = min(builder.seq_threshold_3D, SPLIT_VERIFY_MAX_TOKENS)
+    return SplitKeyVerify(1 + spec.num_speculative_tokens, capacity)
 
 
 def _log_once() -> None:

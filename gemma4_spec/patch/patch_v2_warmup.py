@@ -10,7 +10,7 @@ another class than the warm-up's, compiles the target's attention in the user's 
 times slower than the next one (measured on the H200: ``benchmarks/results/h200``). vLLM's
 in-tree gemma4_mtp has them compiled at start-up as a side effect: it captures its draft-prefill
 graphs with batches of ``1 + k`` tokens a request, which the attention kernel runs as prefills;
-with our verification rewrite (``patch_triton_attn``) those batches run as one-token sequences.
+with our verification rewrite (``patch_triton_attn``) those batches run on the decode kernel.
 
 When the engine drafts with gemma4_mtp, the wrapper runs vLLM's own warm-up again with the
 request count capped at each of ``WARM_REQUEST_COUNTS`` below ``max_num_seqs`` (one sequence,

@@ -27,7 +27,7 @@ from gemma4_spec.ops.graphed_launch import captures_in_process
 from gemma4_spec.patch.patch_gpu_model_runner import RUNNER_MODULE
 from gemma4_spec.patch.patch_input_processor import logitsprocs_cache
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
-from gemma4_spec.patch.patch_triton_attn import flatten_replays_of, rewrites_of
+from gemma4_spec.patch.patch_triton_attn import rewrites_of
 from gemma4_spec.spec_decode.computed_tokens import CORRECTION_NAME, GraphedCorrection
 
 # Values of RunResult.proposer_class: this plugin's proposer, and vLLM's own.
@@ -122,11 +122,9 @@ class RunResult:
     # captured at start-up, and proposals run eagerly through the same loop.
     v2_loop_replays: int = 0
     v2_loop_eager: int = 0
-    # Target attention builds whose verification batch ran as one-token sequences
+    # Target attention builds whose verification batch ran on the split-key kernel
     # (patch/patch_triton_attn.py), summed over the runner's attention builders.
     flat_verify_rewrites: int = 0
-    # Of their query flattenings, how many were replayed from CUDA graphs (ops/graphed_launch.py).
-    flat_verify_graph_replays: int = 0
     # Verification steps whose index arrays our builder made (spec_decode/verify_metadata.py),
     # and greedy batches verified without vLLM's rejection sampler (patch_rejection_sampler.py).
     verify_metadata_builds: int = 0
@@ -301,7 +299,6 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "v2_loop_replays": getattr(drafter, "loop_replays", 0),
         "v2_loop_eager": getattr(drafter, "loop_eager", 0),
         "flat_verify_rewrites": sum(rewrites_of(builder) for builder in builders),
-        "flat_verify_graph_replays": sum(flatten_replays_of(builder) for builder in builders),
         "verify_metadata_builds": 0 if verify_metadata is None else verify_metadata.builds,
         "greedy_verify_batches": 0 if greedy is None else greedy.batches,
         "verify_input_ids_writes": 0 if input_ids is None else input_ids.writes,

@@ -1,11 +1,12 @@
 """vLLM's Triton attention kernel called directly, as its backend calls it for one layer, for
-the verification-attention test and benchmark (``ops/flat_queries.py``). Needs CUDA and vLLM."""
+the verification-attention test and benchmark (``patch/patch_triton_attn.py``). Needs CUDA and
+vLLM."""
 
 from __future__ import annotations
 
 import torch
 
-# What vLLM's Triton builder picks for one KV head (the most one-token sequences its decode
+# What vLLM's Triton builder picks for one KV head (the most query tokens its split-key
 # kernel takes), and its softmax segments per sequence (vLLM 0.26).
 THRESHOLD_3D = 128
 SEGMENTS = 16
