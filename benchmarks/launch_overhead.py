@@ -1,8 +1,8 @@
 """Host cost of launching our small per-step kernels, against replaying them from a CUDA graph.
 
 Every draft replay launches the input-staging kernel once: a small kernel whose GPU time is a
-microsecond or two, launched from Python through Triton's JIT
-dispatch, on a step the host bounds at small batches. This times, per call, the host CPU of
+microsecond or two, launched from Python through Triton's JIT dispatch, on a step the host
+bounds at small batches. This times, per call, the host CPU of
 (a) the plain Triton launch, (b) the call as the plugin makes it (``ops/graphed_launch.py``: a
 key, then a CUDA-graph replay of the launch), (c) the bare graph replay, and (d) one small
 torch op, for scale. Needs torch, triton and CUDA only.
@@ -99,10 +99,9 @@ def main() -> None:
 
     small = torch.zeros(64, dtype=torch.int32, device=dev)
     print("host CPU per call, us: plain Triton launch / as the plugin calls it / bare replay")
-    for name, plain, ours in (("stage_draft_inputs", stage_plain, stage),):
-        cells = [host_us(plain, args.reps), host_us(ours, args.reps)]
-        cells.append(host_us(graphed(plain), args.reps))
-        print(f"  {name:20s} " + " / ".join(f"{c:6.1f}" for c in cells))
+    cells = [host_us(stage_plain, args.reps), host_us(stage, args.reps)]
+    cells.append(host_us(graphed(stage_plain), args.reps))
+    print(f"  {'stage_draft_inputs':20s} " + " / ".join(f"{c:6.1f}" for c in cells))
     print(f"  {'torch fill_':20s} {host_us(lambda: small.fill_(1), args.reps):6.1f}")
 
 

@@ -171,15 +171,24 @@ def _profile_batch(llm: Any, prompts: list[Any], args: argparse.Namespace, batch
 
 
 def _kernel_times(events: Any) -> dict[str, tuple[int, float]]:
-    """Device events (kernels, copies, memsets; a graph replay shows its kernels) by name:
-    how many ran and their summed duration in us, from the profiler's timeline."""
-    cpu_names = {e.name for e in events if not str(e.device_type).endswith("CUDA")}
+    """Device events by name: how many ran and their summed duration in us, from the
+    profiler's timeline."""
     times: dict[str, tuple[int, float]] = {}
-    for e in events:
-        if str(e.device_type).endswith("CUDA") and e.name not in cpu_names:
-            n, us = times.get(e.name, (0, 0.0))
-            times[e.name] = (n + 1, us + e.time_range.end - e.time_range.start)
+    for e in _device_events(events):
+        n, us = times.get(e.name, (0, 0.0))
+        times[e.name] = (n + 1, us + e.time_range.end - e.time_range.start)
     return times
+
+
+def _on_device(event: Any) -> bool:
+    return str(event.device_type).endswith("CUDA")
+
+
+def _device_events(events: Any) -> list[Any]:
+    """The timeline's device events: kernels, copies, memsets (a graph replay shows its
+    kernels). A CPU scope's GPU annotation has the scope's name: it is left out."""
+    cpu_names = {e.name for e in events if not _on_device(e)}
+    return [e for e in events if _on_device(e) and e.name not in cpu_names]
 
 
 def _print_graph_census(run: Any, tokens: int) -> None:
@@ -295,13 +304,8 @@ def _print_gpu_idle(events: Any, rows: int, tokens: int) -> None:
     events (kernels, copies, memsets; graph replays show their kernels), each charged to the
     innermost runner or gemma4_spec scope the CPU was in when the gap ended (the work that
     delayed the next launch). Kineto puts CPU and GPU events on one clock."""
-    cpu = [e for e in events if not str(e.device_type).endswith("CUDA")]
-    cpu_names = {e.name for e in cpu}
-    device = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in events
-        if str(e.device_type).endswith("CUDA") and e.name not in cpu_names
-    )
+    cpu = [e for e in events if not _on_device(e)]
+    device = sorted((e.time_range.start, e.time_range.end) for e in _device_events(events))
     forwards = sorted(e.time_range.start for e in cpu if e.name == "gpu_model_runner: forward")
     if not device:
         print("GPU idle: no device events in the profile\n")
