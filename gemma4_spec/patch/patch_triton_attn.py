@@ -45,11 +45,12 @@ from gemma4_spec.switches import turned_off
 
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
-# Up to this many query tokens a verification batch goes to the split kernel: the whole engine
-# ran faster with the rewrite than without it up to 32 tokens on the H200 (E2B shape), and at
-# 96 (batch 32, k = 2) slower than vLLM's one-pass kernel, although one layer alone was faster
-# there (benchmarks/verify_attention.py). Figures in benchmarks/results/h200. Tunable with
-# GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
+# Up to this many query tokens a verification batch goes to the split kernel. On the H200 (E2B
+# shape) the earlier one-token-sequence rewrite made the whole engine faster up to 32 tokens
+# and slower at 64; the split kernel beat that rewrite at 3 and 24 tokens, and at 96 (batch
+# 32, k = 2) ran the engine slower than vLLM's one-pass kernel in one run, though one layer
+# alone was faster (benchmarks/verify_attention.py). Figures in benchmarks/results/h200.
+# Tunable with GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
 SPLIT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "32"))
 
 logger = get_logger(__name__)
