@@ -28,6 +28,7 @@
 #               with where the GPU idles waiting on the host
 #   profile-real: torch.profiler of real_work.py's engine variants on the trained pair (or
 #         e2b), B = 1 and 16, k = 3, engines started side by side and measured in turn
+#   verify-kernels: after 'install', the capped argmax's tests and benchmark
 #   draft-kernels: after 'install', the small-rows matmul's tests and benchmark
 #         (SMALL_LINEAR_SWEEP=1: also its tile sweep), the flat-verify CUDA tests and
 #         verify_attention.py
@@ -47,7 +48,7 @@
 # 'install'; the MoE kernels in a call of their own. The machine goes cold after 30 s without a call, and a cold machine has lost
 # every staged part.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|draft-kernels|e2e|real|profile|profile-real|tp2}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|verify-kernels|draft-kernels|e2e|real|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
@@ -147,6 +148,13 @@ e2e)
         ${E2E_SCOPES:+--scopes} ${E2E_V2:+--v2-experiment} --rounds "${E2E_ROUNDS:-5}" \
         > "$OUT/e2e.log" 2>&1
     echo "e2e rc=$?"; grep -v "Capturing\|it/s" "$OUT/e2e.log" | tail -"${E2E_TAIL:-12}"
+    ;;
+verify-kernels)  # after 'install': the capped argmax of greedy verification, tests + benchmark
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    timeout 200 python3 -m pytest -q tests/test_capped_argmax.py > "$OUT/test_capped_argmax_cuda.log" 2>&1
+    echo "capped argmax tests rc=$?"; tail -2 "$OUT/test_capped_argmax_cuda.log"
+    timeout 150 python3 benchmarks/capped_argmax.py --json "$OUT/capped_argmax.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/capped_argmax.log"
     ;;
 draft-kernels)  # after 'install': the draft step's kernels, tests and benchmarks
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site

@@ -20,6 +20,7 @@ from gemma4_spec.patch import (
     patch_top_k_only,
     patch_triton_attn,
     patch_v2_rejection_sampler,
+    patch_v2_sample,
     patch_v2_speculator,
     patch_v2_warmup,
     patch_vllm_config,
@@ -67,3 +68,4 @@ def register() -> None:
     when_imported(
         patch_v2_rejection_sampler.V2_REJECTION_SAMPLER_MODULE, patch_v2_rejection_sampler.apply
     )
+    when_imported(patch_v2_sample.V2_RUNNER_MODULE, patch_v2_sample.apply)

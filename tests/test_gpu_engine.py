@@ -147,6 +147,9 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     # (patch/patch_v2_rejection_sampler.py), through these equal tokens.
     assert ours.greedy_verify_batches > 0
     assert plain.greedy_verify_batches == 0
+    # Their logits were computed without the soft-cap's passes, the capped argmax taken in one
+    # read (patch/patch_v2_sample.py), through these equal tokens.
+    assert ours.greedy_verify_uncapped > 0
     # The target's verification attention ran on the split-key kernel
     # (patch/patch_triton_attn.py), through these equal tokens.
     assert ours.flat_verify_rewrites > 0

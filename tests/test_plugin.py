@@ -36,6 +36,7 @@ from gemma4_spec.patch import (
     patch_top_k_only,
     patch_triton_attn,
     patch_v2_rejection_sampler,
+    patch_v2_sample,
     patch_v2_speculator,
     patch_v2_warmup,
     patch_vllm_config,
@@ -116,6 +117,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_input_processor.INPUT_PROCESSOR_MODULE,
         patch_v2_speculator.SPECULATOR_MODULE,
         patch_v2_rejection_sampler.V2_REJECTION_SAMPLER_MODULE,
+        patch_v2_sample.V2_RUNNER_MODULE,
     ]
     assert [cb for _, cb in fresh_plugin["when_imported"]] == [
         patch_engine_args.apply,
@@ -130,6 +132,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_input_processor.apply,
         patch_v2_speculator.apply,
         patch_v2_rejection_sampler.apply,
+        patch_v2_sample.apply,
     ]
     entry = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
     assert f"{entry.module_name}:{entry.class_name}" == plugin.MODEL_CLASS

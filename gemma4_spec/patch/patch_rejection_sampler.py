@@ -37,6 +37,9 @@ class GreedyVerifyStats:
     """Carried by a rejection sampler that may verify greedy batches itself."""
 
     batches: int = 0  # batches it verified itself
+    # Of them, on Model Runner V2: batches whose logits were computed without the soft-cap
+    # (patch/patch_v2_sample.py).
+    uncapped: int = 0
 
 
 def greedy_verify_enabled() -> bool:

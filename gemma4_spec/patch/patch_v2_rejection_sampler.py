@@ -41,6 +41,8 @@ from gemma4_spec.patch.patch_rejection_sampler import (
 from gemma4_spec.switches import turned_off
 
 V2_REJECTION_SAMPLER_MODULE = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+# The method the wrapped class gains: (best [rows] int64, input_batch) -> SamplerOutput.
+VERIFY_GREEDY_TOKENS = "gemma4_spec_verify_greedy_tokens"
 
 
 def greedy_verify_applies(rejection_sampler: Any, input_batch: Any, draft_logits: Any) -> bool:
@@ -76,11 +78,7 @@ def apply(module: ModuleType) -> None:
         return
     if not v2_greedy_verify_supported():
         return
-    from gemma4_spec.ops.greedy_verify import (
-        SyntheticAcceptance,
-        compile_greedy_verify_rows,
-        greedy_verify_rows,
-    )
+    from gemma4_spec.ops.greedy_verify import compile_greedy_verify_rows
 
     vllms_init = sampler_class.__init__
     vllms_call = sampler_class.__call__
@@ -101,41 +99,59 @@ def apply(module: ModuleType) -> None:
 
     @functools.wraps(vllms_call)
     def __call__(self: Any, logits: Any, input_batch: Any, draft_logits: Any = None) -> Any:
-        stats = getattr(self, GREEDY_VERIFY_ATTR, None)
-        if stats is None or not greedy_verify_applies(self, input_batch, draft_logits):
+        if getattr(self, GREEDY_VERIFY_ATTR, None) is None or not greedy_verify_applies(
+            self, input_batch, draft_logits
+        ):
             return vllms_call(self, logits, input_batch, draft_logits)
-        stats.batches += 1
         num_nans = module.get_num_nans(logits) if self.sampler.compute_nans else None
-        synthetic = None
-        if self.synthetic_conditional_rates is not None:
-            synthetic = SyntheticAcceptance(
-                self.synthetic_conditional_rates,
-                self.sampler.sampling_states.seeds.gpu,
-                input_batch.idx_mapping,
-                input_batch.positions,
-            )
-        sampled, num_sampled = greedy_verify_rows(
-            logits.argmax(dim=-1),
-            input_batch.input_ids,
-            input_batch.logits_indices,
-            input_batch.cu_num_logits,
-            self.num_speculative_steps + 1,
-            synthetic,
-        )
-        num_sampled, num_rejected = module.get_num_sampled_and_rejected(
-            num_sampled,
-            input_batch.seq_lens,
-            input_batch.cu_num_logits,
-            input_batch.idx_mapping,
-            self.sampler.req_states.prefill_len.gpu,
-        )
-        return module.SamplerOutput(
-            sampled_token_ids=sampled,
-            logprobs_tensors=None,
-            num_nans=num_nans,
-            num_sampled=num_sampled,
-            num_rejected=num_rejected,
-        )
+        return verified_output(module, self, logits.argmax(dim=-1), input_batch, num_nans)
+
+    def verify_greedy_tokens(self: Any, best: Any, input_batch: Any) -> Any:
+        return verified_output(module, self, best, input_batch, None)
 
     sampler_class.__init__ = ours(__init__)
     sampler_class.__call__ = ours(__call__)
+    # For patch_v2_sample.py, which has each row's greedy token without the logits.
+    setattr(sampler_class, VERIFY_GREEDY_TOKENS, verify_greedy_tokens)
+
+
+def verified_output(
+    module: ModuleType, rejection_sampler: Any, best: Any, input_batch: Any, num_nans: Any
+) -> Any:
+    """V2's ``SamplerOutput`` (``module``'s names) for a batch ``greedy_verify_applies`` lets
+    through, from each logits row's greedy token ``best`` (``[rows]`` int64), as V2's rejection
+    sampling gives it."""
+    from gemma4_spec.ops.greedy_verify import SyntheticAcceptance, greedy_verify_rows
+
+    rs = rejection_sampler
+    getattr(rs, GREEDY_VERIFY_ATTR).batches += 1
+    synthetic = None
+    if rs.synthetic_conditional_rates is not None:
+        synthetic = SyntheticAcceptance(
+            rs.synthetic_conditional_rates,
+            rs.sampler.sampling_states.seeds.gpu,
+            input_batch.idx_mapping,
+            input_batch.positions,
+        )
+    sampled, num_sampled = greedy_verify_rows(
+        best,
+        input_batch.input_ids,
+        input_batch.logits_indices,
+        input_batch.cu_num_logits,
+        rs.num_speculative_steps + 1,
+        synthetic,
+    )
+    num_sampled, num_rejected = module.get_num_sampled_and_rejected(
+        num_sampled,
+        input_batch.seq_lens,
+        input_batch.cu_num_logits,
+        input_batch.idx_mapping,
+        rs.sampler.req_states.prefill_len.gpu,
+    )
+    return module.SamplerOutput(
+        sampled_token_ids=sampled,
+        logprobs_tensors=None,
+        num_nans=num_nans,
+        num_sampled=num_sampled,
+        num_rejected=num_rejected,
+    )

@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+from gemma4_spec.patch import patch_v2_sample
 from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
 from gemma4_spec.switches import turned_off, turned_on
@@ -62,7 +63,10 @@ def apply(worker_module: ModuleType) -> None:
     ) -> None:
         original(model_runner, worker_execute_model, worker_sample_tokens)
         config = getattr(model_runner, "vllm_config", None)
-        if turned_off(PREFILL_WARMUP_ENV) or not drafts_with_gemma4_mtp(config):
+        if not drafts_with_gemma4_mtp(config):
+            return
+        patch_v2_sample.prepare(model_runner)
+        if turned_off(PREFILL_WARMUP_ENV):
             return
         scheduler = model_runner.scheduler_config
         for count in extra_request_counts(scheduler.max_num_seqs):

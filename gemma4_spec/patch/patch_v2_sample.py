@@ -1,0 +1,147 @@
+"""Verify all-greedy batches on Model Runner V2 from the target's logits before the soft-cap.
+
+V2's ``GPUModelRunner.sample`` computes the logits of every verified row and hands them to
+the rejection sampler. For Gemma 4 the logits are the lm_head's output soft-capped by vLLM's
+``LogitsProcessor`` in three elementwise passes over ``[rows, V]`` (V = 262144; rows = B (k + 1)
+in a verification step), and our all-greedy path (``patch_v2_rejection_sampler.py``) reads them
+a fourth time for the argmax. For the batches that path takes, and with no grammar to apply, this
+wrapper computes the logits with the cap left out and takes ``ops/capped_argmax``'s argmax of the
+capped values: the same tokens from one read of the logits. Everything else (sampled requests,
+logprobs, penalties, grammars, NaN counting, engines that do not draft with gemma4_mtp) runs
+vLLM's method as it is; so do batches whose kernel cannot run exactly (``capped_argmax`` then
+runs torch's formula, the same cost as vLLM's path).
+
+The target's ``LogitsProcessor`` is found once per runner (the one module of that class in the
+target, with a soft-cap, no scale and no logits as input); the cap is set to ``None`` for the one
+call and restored. ``GEMMA4_SPEC_UNCAPPED_VERIFY=0`` turns this off.
+
+Wraps: ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.sample``. vLLM versions:
+``compat.V2_GREEDY_VERIFY_VLLM`` (0.26), as the greedy path it feeds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from gemma4_spec.compat import v2_greedy_verify_supported
+from gemma4_spec.patch.hooks import is_ours, ours
+from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
+from gemma4_spec.patch.patch_v2_rejection_sampler import (
+    VERIFY_GREEDY_TOKENS,
+    greedy_verify_applies,
+)
+from gemma4_spec.switches import turned_off
+
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+UNCAPPED_VERIFY_ENV = "GEMMA4_SPEC_UNCAPPED_VERIFY"
+CAPPED_HEAD_ATTR = "gemma4_spec_capped_head"
+
+
+@dataclass(frozen=True)
+class CappedHead:
+    """The target's logits processor and the soft-cap it applies."""
+
+    processor: Any
+    cap: float
+
+
+def find_capped_head(model: Any) -> CappedHead | None:
+    """The target's one ``LogitsProcessor`` if it soft-caps and does nothing else to the logits
+    (no scale, logits computed from hidden states); ``None`` otherwise."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    found = [m for m in model.modules() if isinstance(m, LogitsProcessor)]
+    if len(found) != 1:
+        return None
+    processor = found[0]
+    cap = getattr(processor, "soft_cap", None)
+    if not cap or processor.scale != 1.0 or processor.logits_as_input:
+        return None
+    return CappedHead(processor, float(cap))
+
+
+def capped_head(runner: Any) -> CappedHead | None:
+    """``find_capped_head`` of the runner's target, looked up once."""
+    if not hasattr(runner, CAPPED_HEAD_ATTR):
+        setattr(runner, CAPPED_HEAD_ATTR, find_capped_head(runner.model))
+    return getattr(runner, CAPPED_HEAD_ATTR)
+
+
+@contextlib.contextmanager
+def uncapped(head: CappedHead) -> Iterator[None]:
+    """The processor computes logits without its soft-cap inside the block."""
+    head.processor.soft_cap = None
+    try:
+        yield
+    finally:
+        head.processor.soft_cap = head.cap
+
+
+def uncapped_head_for(runner: Any, input_batch: Any, grammar_output: Any) -> CappedHead | None:
+    """The head to take this batch's logits from uncapped, if the all-greedy path verifies
+    the batch (``greedy_verify_applies``) and nothing else reads the logits; else ``None``."""
+    rs = getattr(runner, "rejection_sampler", None)
+    if rs is None or getattr(rs, GREEDY_VERIFY_ATTR, None) is None:
+        return None
+    if not hasattr(rs, VERIFY_GREEDY_TOKENS):
+        return None
+    if grammar_output is not None or input_batch.num_draft_tokens == 0:
+        return None
+    if rs.sampler.compute_nans or runner.speculator is None:
+        return None
+    if not greedy_verify_applies(rs, input_batch, runner.speculator.draft_logits):
+        return None
+    return capped_head(runner)
+
+
+def prepare(runner: Any) -> None:
+    """Compile the kernels and run the exactness check for the runner's logits at start-up
+    (vLLM's warm-up samples, so it never takes this path): nothing of it in a request."""
+    import torch
+
+    from gemma4_spec.ops.capped_argmax import capped_argmax
+
+    if turned_off(UNCAPPED_VERIFY_ENV) or not v2_greedy_verify_supported():
+        return
+    head = capped_head(runner)
+    if head is None:
+        return
+    vocab = runner.model_config.get_vocab_size()
+    dtype = getattr(head.processor, "head_dtype", None) or runner.dtype
+    with torch.inference_mode():
+        capped_argmax(torch.zeros(1, vocab, dtype=dtype, device=runner.device), head.cap)
+
+
+def apply(module: ModuleType) -> None:
+    runner_class = getattr(module, "GPUModelRunner", None)
+    if runner_class is None or is_ours(getattr(runner_class, "sample", None)):
+        return
+    if not v2_greedy_verify_supported():
+        return
+    vllms_sample = runner_class.sample
+
+    @functools.wraps(vllms_sample)
+    def sample(self: Any, hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
+        head = (
+            None
+            if turned_off(UNCAPPED_VERIFY_ENV)
+            else uncapped_head_for(self, input_batch, grammar_output)
+        )
+        if head is None:
+            return vllms_sample(self, hidden_states, input_batch, grammar_output)
+        from gemma4_spec.ops.capped_argmax import capped_argmax
+
+        with uncapped(head):
+            logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
+        rs = self.rejection_sampler
+        getattr(rs, GREEDY_VERIFY_ATTR).uncapped += 1
+        verify = getattr(rs, VERIFY_GREEDY_TOKENS)
+        out = verify(capped_argmax(logits, head.cap), input_batch)
+        return out, out.num_sampled, out.num_rejected
+
+    runner_class.sample = ours(sample)
