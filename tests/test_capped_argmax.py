@@ -87,7 +87,8 @@ def test_splits_cover_the_row_once(rows: int, vocab: int) -> None:
 
 def _planted(rows: int, vocab: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
     """Random rows with ties planted: a row's maximum repeated across splits, a row whose
-    values all saturate the cap, a row of -inf but one value, a row all -inf."""
+    values all saturate the cap, a row of -inf but one value, a row all -inf, a row rising
+    far above the cap."""
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=gen) * 20).to(dtype)
     if rows >= 4 and vocab >= 8:
@@ -98,6 +99,10 @@ def _planted(rows: int, vocab: int, dtype: torch.dtype, device: str, seed: int) 
         logits[2] = float("-inf")
         logits[2, vocab - 2] = -5.0
         logits[3] = float("-inf")  # argmax of an all -inf row: 0
+    if rows >= 5:
+        # Rising along the row, every value far above the cap: each later tile raises the raw
+        # maximum, none the capped one (30.0 in bfloat16 and float16): argmax 0.
+        logits[4] = torch.linspace(400.0, 4000.0, vocab).to(dtype)
     return logits.to(device)
 
 

@@ -1,10 +1,11 @@
 """Triton kernels of ``capped_argmax.py``: soft-cap and argmax in one read of the logits.
 
 ``_split_best_kernel``, grid ``(rows, splits)``: program ``(r, s)`` reads the ``s``-th
-contiguous chunk of row ``r`` in tiles of ``BLOCK`` values, caps each value in registers
-(``_soft_cap``: torch's ``x * (1 / cap)``, ``tanh``, ``* cap`` in float32, each result rounded
-to the logits' dtype as torch rounds it), and keeps per lane the first largest value and its id;
-its best (value, smallest id) goes to ``[rows, splits]`` scratch. ``_reduce_splits_kernel``,
+contiguous chunk of row ``r`` in tiles of ``BLOCK`` values; a tile that raises the chunk's raw
+maximum is capped in registers (``_soft_cap``: torch's ``x * (1 / cap)``, ``tanh``, ``* cap`` in
+float32, each result rounded to the logits' dtype as torch rounds it) and may replace the
+chunk's best (capped value, first id); the others cannot, and are only read. The best goes to
+``[rows, splits]`` scratch. ``_reduce_splits_kernel``,
 grid ``(rows,)``, takes each row's best over its splits (splits ascend with ids, so the smallest
 id among equal maxima is ``argmax``'s first maximal index). Splits are chosen so that about
 ``PROGRAMS_PER_SM`` programs per SM run (a few rows still fill the GPU) and each reads at least
@@ -84,21 +85,29 @@ if HAS_TRITON:
         r = tl.program_id(0)
         s = tl.program_id(1)
         row = logits_ptr + r.to(tl.int64) * stride_row
-        best_v = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        best_i = tl.full([BLOCK_V], V, tl.int32)
+        # The chunk's best capped value, its first id, and the largest raw value read so far.
+        # The cap is non-decreasing, so a tile whose raw values are all at most that largest
+        # one holds no capped value above the best (and its ids come later): only tiles that
+        # raise the raw maximum are capped, a few per chunk for any order of values.
+        best_c = float("-inf")
+        best_i = V
+        top_raw = float("-inf")
         start = s * chunk
         end = tl.minimum(start + chunk, V)
         for off in range(start, end, BLOCK_V):
             ids = off + tl.arange(0, BLOCK_V)
             ok = ids < end
-            x = tl.load(row + ids, mask=ok, other=0.0)
-            y = tl.where(ok, _soft_cap(x, inv_cap, cap, HAS_CAP, LIBDEVICE), float("-inf"))
-            take = y > best_v  # strict: a lane keeps its first id of a repeated value
-            best_v = tl.where(take, y, best_v)
-            best_i = tl.where(take, ids, best_i)
-        m, i = _best_of(best_v, best_i, 0, V)
-        tl.store(part_val_ptr + r * splits + s, m)
-        tl.store(part_idx_ptr + r * splits + s, i)
+            x = tl.load(row + ids, mask=ok, other=float("-inf"))
+            tile_top = tl.max(x.to(tl.float32), axis=0)
+            if tile_top > top_raw:
+                y = tl.where(ok, _soft_cap(x, inv_cap, cap, HAS_CAP, LIBDEVICE), float("-inf"))
+                c, i = _best_of(y, tl.where(ok, ids, V), 0, V)
+                if c > best_c:  # strict: an equal value keeps the earlier id
+                    best_c = c
+                    best_i = i
+                top_raw = tile_top
+        tl.store(part_val_ptr + r * splits + s, best_c)
+        tl.store(part_idx_ptr + r * splits + s, best_i)
 
     @triton.jit(do_not_specialize=["V", "splits"])
     def _reduce_splits_kernel(
