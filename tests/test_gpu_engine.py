@@ -147,9 +147,13 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     # (patch/patch_v2_rejection_sampler.py), through these equal tokens.
     assert ours.greedy_verify_batches > 0
     assert plain.greedy_verify_batches == 0
-    # Their logits were computed without the soft-cap's passes, the capped argmax taken in one
-    # read (patch/patch_v2_sample.py), through these equal tokens.
-    assert ours.greedy_verify_uncapped > 0
+    # The E2B-shaped target soft-caps its logits as the real one does: they were computed without
+    # the cap's passes and the capped argmax taken in one read (patch/patch_v2_sample.py),
+    # through these equal tokens. The tiny target has no cap: vLLM's path, nothing to skip.
+    if target == "e2b":
+        assert ours.greedy_verify_uncapped > 0
+    else:
+        assert ours.greedy_verify_uncapped == 0
     # The target's verification attention ran on the split-key kernel
     # (patch/patch_triton_attn.py), through these equal tokens.
     assert ours.flat_verify_rewrites > 0

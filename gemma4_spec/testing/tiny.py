@@ -287,6 +287,10 @@ def _vision_config() -> Gemma4VisionConfig:
     )
 
 
+# The real E2B/E4B checkpoints' final_logit_softcapping.
+E2B_LOGIT_SOFTCAP = 30.0
+
+
 def build_tiny_e2b_like_target(
     path: str | Path,
     *,
@@ -299,7 +303,8 @@ def build_tiny_e2b_like_target(
     Widths, heads, vocab and sliding window are the default tiny target's; on top it has what real
     E2B/E4B text models have: per-layer input embeddings (``hidden_size_per_layer_input`` 16 over
     the whole vocab), 6 layers [s, s, s, f, s, f] whose last 2 reuse the KV of layers 2 and 3
-    (``num_kv_shared_layers`` 2), and double-wide MLPs on those KV-shared layers. With
+    (``num_kv_shared_layers`` 2), double-wide MLPs on those KV-shared layers, and final logits
+    soft-capped at ``E2B_LOGIT_SOFTCAP`` (transformers' default config has no cap). With
     ``multimodal`` (the real checkpoints' layout) it is a ``gemma4`` config and a
     ``Gemma4ForConditionalGeneration`` with a 1-layer vision tower and no audio tower, its text
     weights under ``model.language_model.``; otherwise a ``gemma4_text`` ``Gemma4ForCausalLM``.
@@ -311,6 +316,7 @@ def build_tiny_e2b_like_target(
         E2B_LIKE_KV_SHARED_LAYERS,
         hidden_size_per_layer_input=E2B_LIKE_PER_LAYER_INPUT,
         use_double_wide_mlp=True,
+        final_logit_softcapping=E2B_LOGIT_SOFTCAP,
     )
     gen = _generator(seed, _TARGET_SALT)
     model: PreTrainedModel
