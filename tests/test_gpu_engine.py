@@ -58,9 +58,10 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
     engine in the same process ("CUDA graph capturing detected at an inappropriate time"), so
     each runner gets its own process. Greedy float32 output does not depend on the runner."""
     configs = _configs(_pairs(root), v2=runner == "1")
-    results = generate_in_subprocess(
-        list(configs.values()), env={"VLLM_USE_V2_MODEL_RUNNER": runner}
-    )
+    # The opt-in uncapped greedy verification (patch/patch_v2_sample.py, V2 only) runs here so
+    # that this test holds it to plain decoding before it can become the default.
+    env = {"VLLM_USE_V2_MODEL_RUNNER": runner, "GEMMA4_SPEC_UNCAPPED_VERIFY": "1"}
+    results = generate_in_subprocess(list(configs.values()), env=env)
     return dict(zip(configs, results, strict=True))
 
 
@@ -147,9 +148,10 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     # (patch/patch_v2_rejection_sampler.py), through these equal tokens.
     assert ours.greedy_verify_batches > 0
     assert plain.greedy_verify_batches == 0
-    # The E2B-shaped target soft-caps its logits as the real one does: they were computed without
-    # the cap's passes and the capped argmax taken in one read (patch/patch_v2_sample.py),
-    # through these equal tokens. The tiny target has no cap: vLLM's path, nothing to skip.
+    # The E2B-shaped target soft-caps its logits as the real one does: with the opt-in switch set
+    # above they were computed without the cap's passes and the capped argmax taken in one read
+    # (patch/patch_v2_sample.py), through these equal tokens. The tiny target has no cap:
+    # vLLM's path, nothing to skip.
     if target == "e2b":
         assert ours.greedy_verify_uncapped > 0
     else:

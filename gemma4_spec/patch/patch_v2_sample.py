@@ -13,7 +13,8 @@ runs torch's formula, the same cost as vLLM's path).
 
 The target's ``LogitsProcessor`` is found once per runner (the one module of that class in the
 target, with a soft-cap, no scale and no logits as input); the cap is set to ``None`` for the one
-call and restored. ``GEMMA4_SPEC_UNCAPPED_VERIFY=0`` turns this off.
+call and restored. Opt-in (``GEMMA4_SPEC_UNCAPPED_VERIFY=1``) until a GPU engine with a capped
+target has run it and the real-work benchmark has measured it (``benchmarks/results/h200``).
 
 Wraps: ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.sample``. vLLM versions:
 ``compat.V2_GREEDY_VERIFY_VLLM`` (0.26), as the greedy path it feeds.
@@ -35,7 +36,7 @@ from gemma4_spec.patch.patch_v2_rejection_sampler import (
     VERIFY_GREEDY_TOKENS,
     greedy_verify_applies,
 )
-from gemma4_spec.switches import turned_off
+from gemma4_spec.switches import turned_on
 
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 UNCAPPED_VERIFY_ENV = "GEMMA4_SPEC_UNCAPPED_VERIFY"
@@ -106,7 +107,7 @@ def prepare(runner: Any) -> None:
 
     from gemma4_spec.ops.capped_argmax import capped_argmax
 
-    if turned_off(UNCAPPED_VERIFY_ENV) or not v2_greedy_verify_supported():
+    if not turned_on(UNCAPPED_VERIFY_ENV) or not v2_greedy_verify_supported():
         return
     head = capped_head(runner)
     if head is None:
@@ -128,9 +129,9 @@ def apply(module: ModuleType) -> None:
     @functools.wraps(vllms_sample)
     def sample(self: Any, hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
         head = (
-            None
-            if turned_off(UNCAPPED_VERIFY_ENV)
-            else uncapped_head_for(self, input_batch, grammar_output)
+            uncapped_head_for(self, input_batch, grammar_output)
+            if turned_on(UNCAPPED_VERIFY_ENV)
+            else None
         )
         if head is None:
             return vllms_sample(self, hidden_states, input_batch, grammar_output)
