@@ -23,7 +23,6 @@ once at ``COPY_BANDWIDTH``; ``equal``: ours' tokens equal to the reference's (mu
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from centroid_argmax import _time_cpu, _time_cuda  # noqa: E402
+from centroid_argmax import _time_cpu, _time_cuda, write_rows  # noqa: E402
 
 from gemma4_spec.ops.capped_argmax import (  # noqa: E402
     capped_argmax,
@@ -101,10 +100,7 @@ def main() -> None:
         )
     if args.json:
         meta = {"device": str(device), "dtype": args.dtype, "vocab": vocab, "reps": reps}
-        if cuda:
-            meta["gpu"] = torch.cuda.get_device_name()
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_rows(args.json, meta, rows)
 
 
 if __name__ == "__main__":

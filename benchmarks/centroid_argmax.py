@@ -114,6 +114,14 @@ def _time_cpu(fn: Callable[[], torch.Tensor], reps: int) -> float:
     return statistics.median(samples) * 1e6
 
 
+def write_rows(path: str, meta: dict, rows: list) -> None:
+    """A kernel benchmark's JSON file: its settings (and the GPU's name) and its rows."""
+    if torch.cuda.is_available() and meta.get("device", "").startswith("cuda"):
+        meta = {**meta, "gpu": torch.cuda.get_device_name()}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -266,10 +274,7 @@ def main() -> None:
     )
     if args.json:
         meta = {"device": str(device), "dtype": args.dtype, "vocab": vocab, "reps": reps}
-        if cuda:
-            meta["gpu"] = torch.cuda.get_device_name()
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_rows(args.json, meta, rows)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ differ; in-tree rounds its logits to bf16 before the argmax, so it ties and diff
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from centroid_argmax import _time_cpu, _time_cuda  # noqa: E402
+from centroid_argmax import _time_cpu, _time_cuda, write_rows  # noqa: E402
 
 from gemma4_spec.ops.vocab_argmax import vocab_argmax_reference  # noqa: E402
 from gemma4_spec.ops.vocab_argmax_triton import (  # noqa: E402
@@ -156,10 +155,7 @@ def main() -> None:
             "soft_cap": SOFT_CAP,
             "suppressed": SUPPRESSED,
         }
-        if cuda:
-            meta["gpu"] = torch.cuda.get_device_name()
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        write_rows(args.json, meta, rows)
 
 
 if __name__ == "__main__":
