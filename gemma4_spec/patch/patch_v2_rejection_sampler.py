@@ -17,7 +17,9 @@ Wraps: ``vllm.v1.worker.gpu.spec_decode.rejection_sampler.RejectionSampler.__ini
 sampler built for a gemma4_mtp engine carries a ``GreedyVerifyStats``, unless
 ``GEMMA4_SPEC_GREEDY_VERIFY=0``, and compiles the kernel then, since vLLM's warm-up samples
 and never takes this path) and ``__call__`` (samplers carrying one take the new path for
-the batches the gate lets through; everything else runs vLLM's method as it is). vLLM versions:
+the batches the gate lets through; everything else runs vLLM's method as it is); adds
+``gemma4_spec_verify_greedy_tokens`` (the same path from each row's greedy token, for
+``patch_v2_sample.py``). vLLM versions:
 ``compat.V2_GREEDY_VERIFY_VLLM`` (0.26, whose sampler states the gate reads).
 """
 
