@@ -22,7 +22,6 @@ once at ``COPY_BANDWIDTH``; ``equal``: ours' tokens equal to the reference's (mu
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +29,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from centroid_argmax import _time_cpu, _time_cuda, write_rows  # noqa: E402
+from centroid_argmax import (  # noqa: E402
+    _time_cpu,
+    _time_cuda,
+    bench_setup,
+    kernel_bench_parser,
+    write_rows,
+)
 
 from gemma4_spec.ops.capped_argmax import (  # noqa: E402
     capped_argmax,
@@ -46,17 +51,8 @@ VARIANTS = ("ours", "vllm", "argmax", "floor")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--rows", default="1,4,8,16,32,64,96,128,192,256")
-    parser.add_argument("--reps", type=int, default=None, help="default 200 on CUDA, 3 on CPU")
-    parser.add_argument("--smoke", action="store_true", help="small sizes (CPU smoke test)")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    args = parser.parse_args()
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    cuda = device.type == "cuda"
-    reps = args.reps or (200 if cuda else 3)
+    args = kernel_bench_parser(__doc__, "--rows", "1,4,8,16,32,64,96,128,192,256").parse_args()
+    device, dtype, cuda, reps = bench_setup(args)
     vocab = SMOKE_VOCAB if args.smoke else VOCAB
     flush = torch.zeros(64 * 2**20, dtype=torch.float32, device=device) if cuda else None
     gen = torch.Generator().manual_seed(0)

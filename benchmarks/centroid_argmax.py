@@ -114,6 +114,32 @@ def _time_cpu(fn: Callable[[], torch.Tensor], reps: int) -> float:
     return statistics.median(samples) * 1e6
 
 
+def kernel_bench_parser(
+    description: str, sizes: str, default_sizes: str, cpu_reps: int = 3
+) -> argparse.ArgumentParser:
+    """The kernel benchmarks' common arguments: ``--device``, ``--dtype``, the sizes to time
+    (``sizes``, e.g. ``--tokens``), ``--reps`` (200 on CUDA, ``cpu_reps`` on CPU), ``--smoke``
+    and ``--json``; each adds its own after."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument(sizes, default=default_sizes)
+    parser.add_argument(
+        "--reps", type=int, default=None, help=f"default 200 on CUDA, {cpu_reps} on CPU"
+    )
+    parser.add_argument("--smoke", action="store_true", help="small sizes (CPU smoke test)")
+    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser.set_defaults(cpu_reps=cpu_reps)
+    return parser
+
+
+def bench_setup(args: argparse.Namespace) -> tuple[torch.device, torch.dtype, bool, int]:
+    """(device, dtype, whether it is CUDA, repetitions) from ``kernel_bench_parser``'s args."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cuda = device.type == "cuda"
+    return device, dtype, cuda, args.reps or (200 if cuda else args.cpu_reps)
+
+
 def write_rows(path: str, meta: dict, rows: list) -> None:
     """A kernel benchmark's JSON file: its settings (and the GPU's name) and its rows."""
     if torch.cuda.is_available() and meta.get("device", "").startswith("cuda"):
@@ -123,19 +149,11 @@ def write_rows(path: str, meta: dict, rows: list) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--tokens", default="1,2,3,4,8,16,32,64,256")
-    parser.add_argument("--reps", type=int, default=None, help="default 200 on CUDA, 3 on CPU")
-    parser.add_argument("--smoke", action="store_true", help="small sizes (CPU smoke test)")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    parser = kernel_bench_parser(__doc__, "--tokens", "1,2,3,4,8,16,32,64,256")
     parser.add_argument("--variants", default=None, help="comma-separated names (default all)")
     parser.add_argument("--zero-rows", type=int, default=0, help="zero rows ending each batch")
     args = parser.parse_args()
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    cuda = device.type == "cuda"
-    reps = args.reps or (200 if cuda else 3)
+    device, dtype, cuda, reps = bench_setup(args)
     vocab, centroids, top_k, d = SMOKE if args.smoke else REAL
     tpc, es = vocab // centroids, torch.tensor([], dtype=dtype).element_size()
 

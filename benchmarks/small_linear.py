@@ -20,7 +20,6 @@ prints the fastest, for tuning ``small_linear_config``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Callable
@@ -30,7 +29,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
-from centroid_argmax import _time_cpu, _time_cuda  # noqa: E402
+from centroid_argmax import _time_cpu, _time_cuda, bench_setup, kernel_bench_parser  # noqa: E402
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
 from gemma4_spec.ops.small_linear import small_linear, small_linear_reference  # noqa: E402
@@ -77,18 +76,12 @@ def _sweep_configs(rows: int, n: int, k: int, device: torch.device) -> list[Smal
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--tokens", default="1,2,4,8,16,32,64")
-    parser.add_argument("--reps", type=int, default=None, help="default 200 on CUDA, 2 on CPU")
-    parser.add_argument("--smoke", action="store_true", help="small shapes (CPU smoke test)")
+    parser = kernel_bench_parser(
+        __doc__.splitlines()[0], "--tokens", "1,2,4,8,16,32,64", cpu_reps=2
+    )
     parser.add_argument("--sweep", action="store_true", help="also time other tile sizes")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = parser.parse_args()
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    cuda = device.type == "cuda"
-    reps = args.reps or (200 if cuda else 2)
+    device, dtype, cuda, reps = bench_setup(args)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     if not triton_usable(device):
         sys.exit("needs CUDA and triton, or TRITON_INTERPRET=1 on CPU")

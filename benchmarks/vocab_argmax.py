@@ -29,7 +29,6 @@ differ; in-tree rounds its logits to bf16 before the argmax, so it ties and diff
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +36,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from centroid_argmax import _time_cpu, _time_cuda, write_rows  # noqa: E402
+from centroid_argmax import (  # noqa: E402
+    _time_cpu,
+    _time_cuda,
+    bench_setup,
+    kernel_bench_parser,
+    write_rows,
+)
 
 from gemma4_spec.ops.vocab_argmax import vocab_argmax_reference  # noqa: E402
 from gemma4_spec.ops.vocab_argmax_triton import (  # noqa: E402
@@ -69,17 +74,8 @@ def _cell(us: dict[str, float], name: str, width: int) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
-    parser.add_argument("--reps", type=int, default=None, help="default 200 on CUDA, 3 on CPU")
-    parser.add_argument("--smoke", action="store_true", help="small sizes (CPU smoke test)")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    args = parser.parse_args()
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    cuda = device.type == "cuda"
-    reps = args.reps or (200 if cuda else 3)
+    args = kernel_bench_parser(__doc__, "--tokens", "1,2,4,8,16,32,64,128,256").parse_args()
+    device, dtype, cuda, reps = bench_setup(args)
     vocab, hidden_size = SMOKE if args.smoke else REAL
     es = torch.tensor([], dtype=dtype).element_size()
 
