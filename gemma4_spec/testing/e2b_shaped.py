@@ -22,7 +22,7 @@ from transformers import (
 
 from gemma4_spec.testing.config_format import write_portable_config
 from gemma4_spec.testing.kv_norms import add_missing_k_norms
-from gemma4_spec.testing.tiny import is_unit_scale
+from gemma4_spec.testing.tiny import E2B_LOGIT_SOFTCAP, is_unit_scale
 from gemma4_spec.validation import FULL_ATTENTION as FULL
 from gemma4_spec.validation import SLIDING_ATTENTION as SLIDING
 
@@ -43,7 +43,7 @@ def published_text_config(**overrides: object) -> Gemma4TextConfig:
         head_dim=256,
         global_head_dim=512,
         sliding_window=512,
-        final_logit_softcapping=30.0,
+        final_logit_softcapping=E2B_LOGIT_SOFTCAP,
         max_position_embeddings=32_768,
         initializer_range=STD,
     )
