@@ -95,9 +95,10 @@ def uncapped_head_for(runner: Any, input_batch: Any, grammar_output: Any) -> Cap
         return None
     if rs.sampler.compute_nans or runner.speculator is None:
         return None
-    if not greedy_verify_applies(rs, input_batch, runner.speculator.draft_logits):
+    head = capped_head(runner)  # looked up once; a target without a cap stops here each step
+    if head is None or not greedy_verify_applies(rs, input_batch, runner.speculator.draft_logits):
         return None
-    return capped_head(runner)
+    return head
 
 
 def prepare(runner: Any) -> None:
