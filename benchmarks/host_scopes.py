@@ -78,6 +78,11 @@ SCOPES: tuple[tuple[int, str], ...] = (
     (3, "vllm.v1.worker.gpu.spec_decode.gemma4.speculator:Gemma4Speculator.propose"),
     (3, "gemma4_spec.spec_decode.runner_v2:Gemma4LoopSpeculator.propose"),
     (2, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.take_draft_token_ids"),
+    # The engine core's wait for a step's sampled tokens on the host (V2: a blocking event,
+    # so wall beyond CPU here is the host idle for the GPU; near zero: the host is the
+    # bottleneck, and GPU work saved does not shorten the step).
+    (2, "vllm.v1.worker.gpu.async_utils:AsyncOutput.get_output"),
+    (2, "vllm.v1.engine.core:EngineCore.post_step"),
     (1, "vllm.v1.engine.output_processor:OutputProcessor.process_outputs"),
     # Waits for the GPU, wherever they happen (inside the scopes above). CUDA's default event
     # synchronization spins, so a wait counts as thread CPU time too: these say how much of
