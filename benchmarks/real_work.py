@@ -41,6 +41,7 @@ round's cell runs its batch again until ``--min-seconds`` (1 s) have passed, the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -354,6 +355,38 @@ def core_shares(cores: list[int], engines: int) -> list[list[int]]:
     return shares
 
 
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process descended from it (Linux ``/proc``)."""
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo.extend(int(child) for child in task.read_text().split())
+    return tree
+
+
+def move_threads(cores: set[int]) -> int:
+    """Put every thread of this process and of the processes it started on ``cores``; returns
+    how many threads moved. (``os.sched_setaffinity(0, ...)`` moves the calling thread only.)"""
+    moved = 0
+    for pid in process_tree(os.getpid()):
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError):
+                os.sched_setaffinity(int(task.name), cores)
+                moved += 1
+    return moved
+
+
+def measure_cores(cores: list[int], count: int) -> list[int]:
+    """The ``count`` cores every engine is measured on: the last of ``cores`` (an engine's
+    threads and the GPU's driver threads start on the first ones)."""
+    if not 0 < count <= len(cores):
+        raise SystemExit(f"--measure-cores: {count} of {len(cores)} cores")
+    return cores[-count:]
+
+
 STEP_SCOPE = "scheduler:Scheduler.update_from_output"  # called once an engine step
 
 
@@ -409,6 +442,8 @@ def _worker(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - started
+    if args.measure_on:  # after start-up: every engine is measured on the same cores
+        move_threads({int(c) for c in args.measure_on.split(",")})
     if args.scopes:  # the host's scopes of every step (engine core in process only)
         import host_scopes
 
@@ -531,6 +566,16 @@ def main() -> int:
     )
     parser.add_argument("--cores", default=None, help=argparse.SUPPRESS)
     parser.add_argument(
+        "--measure-cores",
+        type=int,
+        default=0,
+        help="after start-up, move every engine's threads to the same N cores (the last N of "
+        "this process's): the engines are timed in turn, so each cell then runs on the cores "
+        "the others ran on, and a core's speed (which moves from core to core on the GPU "
+        "machine) hits every engine alike",
+    )
+    parser.add_argument("--measure-on", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
         "--scopes",
         action="store_true",
         help="also time the host's scopes of each engine step (benchmarks/host_scopes.py: "
@@ -586,6 +631,16 @@ def main() -> int:
     )
     turns = EngineTurns(workdir / f"control-{args.pair}")
     shares = core_shares(sorted(os.sched_getaffinity(0)), len(configs)) if args.pin_cores else []
+    if args.pin_cores and args.measure_cores:
+        parser.error("--pin-cores and --measure-cores: one or the other")
+    measure_on = (
+        [
+            "--measure-on",
+            ",".join(map(str, measure_cores(sorted(os.sched_getaffinity(0)), args.measure_cores))),
+        ]
+        if args.measure_cores
+        else []
+    )
     for index, (name, config) in enumerate(configs.items()):
         pinned = ["--cores", ",".join(map(str, shares[index]))] if shares else []
         turns.start(
@@ -611,6 +666,7 @@ def main() -> int:
                 "--temperature",
                 str(args.temperature),
                 *pinned,
+                *measure_on,
                 *["--scopes"] * args.scopes,
             ],  # fmt: skip
             engine_env(
@@ -637,6 +693,7 @@ def main() -> int:
         "engine": json.loads(args.engine),
         "engine_core": args.engine_core,
         "pinned_cores": args.pin_cores,
+        "measure_cores": args.measure_cores,
         "results": results,
         "not_started": turns.not_started,
     }
@@ -669,6 +726,11 @@ def print_tables(saved: dict[str, Any]) -> None:
         f"up to {saved['new_tokens']} new tokens a request"
         + (f", TP={tp}" if tp > 1 else "")
         + (", each engine on its own CPU cores" if saved.get("pinned_cores") else "")
+        + (
+            f", every engine timed on the same {saved['measure_cores']} CPU cores"
+            if saved.get("measure_cores")
+            else ""
+        )
         + {
             "in-process": "",
             "own-process": ", engine cores in their own processes",

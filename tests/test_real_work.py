@@ -403,6 +403,42 @@ def test_a_pinned_run_says_so_in_its_tables(tmp_path: Path) -> None:
     assert "each engine on its own CPU cores" in _tables({**saved, "pinned_cores": True}, tmp_path)
 
 
+def test_engines_are_measured_on_the_same_last_cores(tmp_path: Path) -> None:
+    assert real_work.measure_cores(list(range(16)), 4) == [12, 13, 14, 15]
+    for count in (0, 17):
+        with pytest.raises(SystemExit, match="--measure-cores"):
+            real_work.measure_cores(list(range(16)), count)
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {"plain": {"startup_s": 30, "runs": {"1": _runs([50, 100, 100], None)}}},
+    }
+    assert "timed on the same" not in _tables(saved, tmp_path)
+    assert "timed on the same 4 CPU cores" in _tables({**saved, "measure_cores": 4}, tmp_path)
+
+
+def test_moving_threads_moves_every_thread_of_the_process_tree() -> None:
+    import threading
+
+    cores = sorted(os.sched_getaffinity(0))
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait)
+    worker.start()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        time.sleep(0.2)  # the child's /proc entry
+        assert child.pid in real_work.process_tree(os.getpid())
+        moved = real_work.move_threads({cores[-1]})
+        assert moved >= 3  # this thread, the waiting one, the child's
+        assert os.sched_getaffinity(child.pid) == {cores[-1]}
+        assert os.sched_getaffinity(worker.native_id) == {cores[-1]}
+    finally:
+        os.sched_setaffinity(0, set(cores))
+        child.kill()
+        stop.set()
+        worker.join()
+
+
 def test_scopes_per_engine_step_and_their_table(tmp_path: Path) -> None:
     # Two snapshots 4 steps apart: 4 output updates, 96 slot allocations (24 a step).
     before = {
