@@ -135,6 +135,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_UNCAPPED_VERIFY": "1"},
         "spec": {},
     },
+    # Opt-in, not yet measured end to end: the all-greedy verification of a decode batch
+    # (logits without the soft-cap, capped argmax, verification, count correction) replayed
+    # from a graph captured at start-up (spec_decode/verify_graphs.py,
+    # GEMMA4_SPEC_GRAPHED_VERIFY=1): the host's launches it spares, beside ours-V2-uncapped.
+    "ours-V2-graphed": {
+        "env": {
+            "VLLM_USE_V2_MODEL_RUNNER": "1",
+            "GEMMA4_SPEC_UNCAPPED_VERIFY": "1",
+            "GEMMA4_SPEC_GRAPHED_VERIFY": "1",
+        },
+        "spec": {},
+    },
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):
     # what it changes in a first pass.
     "ours-V2-nowarm": {

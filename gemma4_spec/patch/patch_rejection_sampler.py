@@ -40,6 +40,9 @@ class GreedyVerifyStats:
     # Of them, on Model Runner V2: batches whose logits were computed without the soft-cap
     # (patch/patch_v2_sample.py).
     uncapped: int = 0
+    # Of them, on Model Runner V2: batches verified by replaying a start-up CUDA graph
+    # (spec_decode/verify_graphs.py).
+    graphed: int = 0
 
 
 def greedy_verify_enabled() -> bool:

@@ -16,6 +16,11 @@ target, with a soft-cap, no scale and no logits as input); the cap is set to ``N
 call and restored. Opt-in (``GEMMA4_SPEC_UNCAPPED_VERIFY=1``) until a GPU engine with a capped
 target has run it and the real-work benchmark has measured it (``benchmarks/results/h200``).
 
+With ``GEMMA4_SPEC_GRAPHED_VERIFY=1`` (opt-in, not yet measured), a decode batch (every request
+with its k drafts) replays this verification from a graph captured at start-up by ``prepare``
+(``spec_decode/verify_graphs.py``): the same kernels, the logits uncapped where the target has
+a cap, without their host launches.
+
 Wraps: ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.sample``. vLLM versions:
 ``compat.V2_GREEDY_VERIFY_VLLM`` (0.26), as the greedy path it feeds.
 """
@@ -33,14 +38,17 @@ from gemma4_spec.compat import v2_greedy_verify_supported
 from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
 from gemma4_spec.patch.patch_v2_rejection_sampler import (
+    V2_REJECTION_SAMPLER_MODULE,
     VERIFY_GREEDY_TOKENS,
     greedy_verify_applies,
 )
+from gemma4_spec.spec_decode.verify_graphs import GRAPHED_VERIFY_ENV
 from gemma4_spec.switches import turned_on
 
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 UNCAPPED_VERIFY_ENV = "GEMMA4_SPEC_UNCAPPED_VERIFY"
 CAPPED_HEAD_ATTR = "gemma4_spec_capped_head"
+VERIFY_GRAPHS_ATTR = "gemma4_spec_verify_graphs"
 
 
 @dataclass(frozen=True)
@@ -83,40 +91,123 @@ def uncapped(head: CappedHead) -> Iterator[None]:
         head.processor.soft_cap = head.cap
 
 
-def uncapped_head_for(runner: Any, input_batch: Any, grammar_output: Any) -> CappedHead | None:
-    """The head to take this batch's logits from uncapped, if the all-greedy path verifies
-    the batch (``greedy_verify_applies``) and nothing else reads the logits; else ``None``."""
+def has_greedy_path(runner: Any) -> bool:
+    """Whether the runner's rejection sampler carries our all-greedy path and nothing makes
+    the runner read the logits besides it (NaN counting), in a drafting engine."""
     rs = getattr(runner, "rejection_sampler", None)
     if rs is None or getattr(rs, GREEDY_VERIFY_ATTR, None) is None:
-        return None
+        return False
     if not hasattr(rs, VERIFY_GREEDY_TOKENS):
-        return None
+        return False
+    return not rs.sampler.compute_nans and runner.speculator is not None
+
+
+def greedy_batch(runner: Any, input_batch: Any, grammar_output: Any) -> bool:
+    """Whether the all-greedy path verifies this batch (``greedy_verify_applies``) and nothing
+    else reads its logits."""
     if grammar_output is not None or input_batch.num_draft_tokens == 0:
-        return None
-    if rs.sampler.compute_nans or runner.speculator is None:
-        return None
+        return False
+    if not has_greedy_path(runner):
+        return False
+    rs = runner.rejection_sampler
+    return greedy_verify_applies(rs, input_batch, runner.speculator.draft_logits)
+
+
+def uncapped_head_for(runner: Any, input_batch: Any, grammar_output: Any) -> CappedHead | None:
+    """The head to take this batch's logits from uncapped, if the all-greedy path verifies
+    the batch (``greedy_batch``); else ``None``."""
     head = capped_head(runner)  # looked up once; a target without a cap stops here each step
-    if head is None or not greedy_verify_applies(rs, input_batch, runner.speculator.draft_logits):
+    if head is None or not greedy_batch(runner, input_batch, grammar_output):
         return None
     return head
 
 
 def prepare(runner: Any) -> None:
-    """Compile the kernels and run the exactness check for the runner's logits at start-up
-    (vLLM's warm-up samples, so it never takes this path): nothing of it in a request."""
+    """At start-up (vLLM's warm-up samples, so it never takes these paths): compile the capped
+    argmax and run its exactness check for the runner's logits, and capture the verification
+    graphs; nothing of it in a request."""
     import torch
 
     from gemma4_spec.ops.capped_argmax import capped_argmax
 
-    if not turned_on(UNCAPPED_VERIFY_ENV) or not v2_greedy_verify_supported():
+    if not v2_greedy_verify_supported():
         return
     head = capped_head(runner)
-    if head is None:
-        return
-    vocab = runner.model_config.get_vocab_size()
-    dtype = getattr(head.processor, "head_dtype", None) or runner.dtype
-    with torch.inference_mode():
-        capped_argmax(torch.zeros(1, vocab, dtype=dtype, device=runner.device), head.cap)
+    if head is not None and (turned_on(UNCAPPED_VERIFY_ENV) or turned_on(GRAPHED_VERIFY_ENV)):
+        vocab = runner.model_config.get_vocab_size()
+        dtype = getattr(head.processor, "head_dtype", None) or runner.dtype
+        with torch.inference_mode():
+            capped_argmax(torch.zeros(1, vocab, dtype=dtype, device=runner.device), head.cap)
+    if turned_on(GRAPHED_VERIFY_ENV) and graphs_serve(runner):
+        with torch.inference_mode():
+            graphs = build_verify_graphs(runner, head)
+            graphs.capture()
+        setattr(runner, VERIFY_GRAPHS_ATTR, graphs)
+
+
+def graphs_serve(runner: Any) -> bool:
+    """Whether verification graphs can serve the runner: our greedy path, greedy drafts, one
+    CUDA device (no tensor, pipeline or context parallelism)."""
+    parallel = runner.vllm_config.parallel_config
+    return (
+        runner.device.type == "cuda"
+        and has_greedy_path(runner)
+        and runner.speculator.draft_logits is None
+        and parallel.tensor_parallel_size == 1
+        and parallel.pipeline_parallel_size == 1
+        and getattr(runner, "pcp_manager", None) is None
+    )
+
+
+def build_verify_graphs(runner: Any, head: CappedHead | None) -> Any:
+    """The runner's ``VerifyGraphs`` (not yet captured): the verification of
+    ``patch_v2_rejection_sampler.verified_output``, from logits computed as this module's
+    eager path computes them (without the cap where the target has one)."""
+    import importlib
+
+    from gemma4_spec.ops.capped_argmax import capped_argmax
+    from gemma4_spec.ops.greedy_verify import SyntheticAcceptance, greedy_verify_rows
+    from gemma4_spec.spec_decode.verify_graphs import Persistent, VerifyGraphs
+
+    rs = runner.rejection_sampler
+    module = importlib.import_module(V2_REJECTION_SAMPLER_MODULE)
+    buffers = runner.input_buffers
+    persistent = Persistent(
+        input_ids=buffers.input_ids,
+        positions=buffers.positions,
+        seq_lens=buffers.seq_lens,
+        seeds=rs.sampler.sampling_states.seeds.gpu,
+        prefill_len=rs.sampler.req_states.prefill_len.gpu,
+    )
+    rates = rs.synthetic_conditional_rates
+
+    def verify(rows: Any, width: int, logits_indices: Any, cu_num_logits: Any, idx: Any) -> Any:
+        if head is None:
+            best = runner.model.compute_logits(rows).argmax(dim=-1)
+        else:
+            with uncapped(head):
+                logits = runner.model.compute_logits(rows)
+            best = capped_argmax(logits, head.cap)
+        synthetic = None
+        if rates is not None:
+            synthetic = SyntheticAcceptance(rates, persistent.seeds, idx, persistent.positions)
+        sampled, num_sampled = greedy_verify_rows(
+            best, persistent.input_ids, logits_indices, cu_num_logits, width, synthetic
+        )
+        num_sampled, num_rejected = module.get_num_sampled_and_rejected(
+            num_sampled, persistent.seq_lens, cu_num_logits, idx, persistent.prefill_len
+        )
+        return sampled, num_sampled, num_rejected
+
+    return VerifyGraphs(
+        verify,
+        persistent,
+        max_reqs=runner.max_num_reqs,
+        width=rs.num_speculative_steps + 1,
+        hidden_size=runner.model_config.get_hidden_size(),
+        dtype=runner.dtype,
+        device=runner.device,
+    )
 
 
 def apply(module: ModuleType) -> None:
@@ -129,6 +220,11 @@ def apply(module: ModuleType) -> None:
 
     @functools.wraps(vllms_sample)
     def sample(self: Any, hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
+        graphs = getattr(self, VERIFY_GRAPHS_ATTR, None)
+        if graphs is not None and greedy_batch(self, input_batch, grammar_output):
+            replayed = graphs.run(hidden_states, input_batch)
+            if replayed is not None:
+                return graphed_output(self, *replayed)
         head = (
             uncapped_head_for(self, input_batch, grammar_output)
             if turned_on(UNCAPPED_VERIFY_ENV)
@@ -147,3 +243,23 @@ def apply(module: ModuleType) -> None:
         return out, out.num_sampled, out.num_rejected
 
     runner_class.sample = ours(sample)
+
+
+def graphed_output(runner: Any, sampled: Any, num_sampled: Any, num_rejected: Any) -> Any:
+    """``sample``'s return from a replayed verification: V2's ``SamplerOutput`` and counts."""
+    import importlib
+
+    sampler_output = importlib.import_module(V2_REJECTION_SAMPLER_MODULE).SamplerOutput
+    stats = getattr(runner.rejection_sampler, GREEDY_VERIFY_ATTR)
+    stats.batches += 1
+    stats.graphed += 1
+    if capped_head(runner) is not None:  # the graph computed the logits without the cap
+        stats.uncapped += 1
+    out = sampler_output(
+        sampled_token_ids=sampled,
+        logprobs_tensors=None,
+        num_nans=None,
+        num_sampled=num_sampled,
+        num_rejected=num_rejected,
+    )
+    return out, num_sampled, num_rejected

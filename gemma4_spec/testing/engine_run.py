@@ -132,6 +132,9 @@ class RunResult:
     # Of those, on Model Runner V2: batches whose logits skipped the soft-cap's passes
     # (patch/patch_v2_sample.py).
     greedy_verify_uncapped: int = 0
+    # Of those, on Model Runner V2: batches verified by replaying a start-up graph
+    # (spec_decode/verify_graphs.py).
+    greedy_verify_graphed: int = 0
     # Steps whose carried tokens (async scheduling: GPU only) our writer put into the input
     # ids (spec_decode/verify_input_ids.py).
     verify_input_ids_writes: int = 0
@@ -305,6 +308,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "verify_metadata_builds": 0 if verify_metadata is None else verify_metadata.builds,
         "greedy_verify_batches": 0 if greedy is None else greedy.batches,
         "greedy_verify_uncapped": 0 if greedy is None else greedy.uncapped,
+        "greedy_verify_graphed": 0 if greedy is None else greedy.graphed,
         "verify_input_ids_writes": 0 if input_ids is None else input_ids.writes,
         "verify_input_ids_uniform": 0 if input_ids is None else input_ids.uniform_writes,
         "verify_metadata_reuses": 0 if verify_metadata is None else verify_metadata.reuses,

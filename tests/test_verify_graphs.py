@@ -1,0 +1,233 @@
+"""``spec_decode/verify_graphs.py`` and its use in ``patch/patch_v2_sample.py``: a decode batch
+(every request with its k drafts) replays its greedy verification from a graph captured at
+start-up, with the step's hidden rows and index arrays copied into the graph's inputs; every
+other batch takes the eager path. On CPU with a stand-in graph (what is copied where, which
+batches a graph serves, what the wrapper returns and counts); on CUDA a real capture against
+the same launch run eagerly. The GPU engine test runs the graphs in an engine against plain
+decoding (``greedy_verify_graphed``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from gemma4_spec.patch import patch_v2_sample as patch
+from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR, GreedyVerifyStats
+from gemma4_spec.spec_decode.verify_graphs import Captured, Persistent, VerifyGraphs
+
+WIDTH = 3  # k = 2
+HIDDEN = 4
+MAX_REQS = 5
+
+
+def _persistent(device: str = "cpu") -> Persistent:
+    return Persistent(
+        input_ids=torch.zeros(64, dtype=torch.int32, device=device),
+        positions=torch.zeros(64, dtype=torch.int64, device=device),
+        seq_lens=torch.zeros(8, dtype=torch.int32, device=device),
+        seeds=torch.zeros(8, dtype=torch.int64, device=device),
+        prefill_len=torch.zeros(8, dtype=torch.int32, device=device),
+    )
+
+
+def _batch(persistent: Persistent, n: int, rows: int | None = None) -> Any:
+    rows = n * WIDTH if rows is None else rows
+    return SimpleNamespace(
+        num_reqs=n,
+        logits_indices=torch.arange(rows, dtype=torch.int64).flip(0) + 1,
+        cu_num_logits=torch.arange(n + 1, dtype=torch.int32) * WIDTH,
+        idx_mapping=torch.arange(n, dtype=torch.int32).flip(0),
+        input_ids=persistent.input_ids[: rows + 2],
+        positions=persistent.positions[: rows + 2],
+        seq_lens=persistent.seq_lens[:n],
+        num_draft_tokens=n * (WIDTH - 1),
+    )
+
+
+class _Graph:
+    """Stands in for a captured graph: a replay records what the inputs held."""
+
+    def __init__(self, graphs: VerifyGraphs, n: int) -> None:
+        self.graphs, self.n = graphs, n
+        self.seen: Any = None
+
+    def replay(self) -> None:
+        g, rows = self.graphs, self.n * WIDTH
+        self.seen = (
+            g.hidden[:rows].clone(),
+            g.logits_indices[:rows].clone(),
+            g.cu_num_logits[: self.n + 1].clone(),
+            g.idx_mapping[: self.n].clone(),
+        )
+
+
+def _graphs(persistent: Persistent, sizes: tuple[int, ...] = (2,)) -> VerifyGraphs:
+    graphs = VerifyGraphs(
+        lambda *args: None, persistent, MAX_REQS, WIDTH, HIDDEN, torch.float32, torch.device("cpu")
+    )
+    for n in sizes:
+        outputs = (torch.full((n, WIDTH), 7), torch.full((n,), 2), torch.full((n,), 1))
+        graphs.graphs[n] = Captured(_Graph(graphs, n), *outputs)  # type: ignore[arg-type]
+    return graphs
+
+
+def test_a_decode_batch_replays_its_graph_over_its_own_rows() -> None:
+    persistent = _persistent()
+    graphs = _graphs(persistent)
+    batch = _batch(persistent, 2)
+    hidden = torch.randn(10, HIDDEN)
+    sampled, num_sampled, num_rejected = graphs.run(hidden, batch)
+    graph = graphs.graphs[2].graph
+    rows, indices, cu, idx = graph.seen  # type: ignore[attr-defined]
+    assert torch.equal(rows, hidden[batch.logits_indices])
+    assert torch.equal(indices, batch.logits_indices)
+    assert torch.equal(cu, batch.cu_num_logits) and torch.equal(idx, batch.idx_mapping)
+    assert graphs.replays == 1
+    # Copies: the next replay rewrites the graph's tensors while vLLM still reads these.
+    captured = graphs.graphs[2]
+    assert torch.equal(sampled, captured.sampled)
+    assert sampled.data_ptr() != captured.sampled.data_ptr()
+    assert torch.equal(num_sampled, captured.num_sampled)
+    assert torch.equal(num_rejected, captured.num_rejected)
+
+
+@pytest.mark.parametrize("case", ["size not captured", "short of drafts", "other buffers"])
+def test_other_batches_take_the_eager_path(case: str) -> None:
+    persistent = _persistent()
+    graphs = _graphs(persistent)
+    if case == "size not captured":
+        batch = _batch(persistent, 3)
+    elif case == "short of drafts":
+        batch = _batch(persistent, 2, rows=2 * WIDTH - 1)
+    else:
+        batch = _batch(_persistent(), 2)  # views of other tensors than the graph read
+    assert graphs.run(torch.randn(10, HIDDEN), batch) is None
+    assert graphs.replays == 0
+
+
+def _runner_module() -> Any:
+    module = SimpleNamespace()
+
+    class GPUModelRunner:
+        def __init__(self, graphs: Any, cap: float | None) -> None:
+            self.rejection_sampler = SimpleNamespace(sampler=SimpleNamespace(compute_nans=False))
+            setattr(self.rejection_sampler, GREEDY_VERIFY_ATTR, GreedyVerifyStats())
+            setattr(self.rejection_sampler, patch.VERIFY_GREEDY_TOKENS, None)
+            self.speculator = SimpleNamespace(draft_logits=None)
+            head = None if cap is None else patch.CappedHead(SimpleNamespace(), cap)
+            setattr(self, patch.CAPPED_HEAD_ATTR, head)
+            setattr(self, patch.VERIFY_GRAPHS_ATTR, graphs)
+
+        def sample(self, hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
+            return "vllm's"
+
+    module.GPUModelRunner = GPUModelRunner
+    return module
+
+
+@pytest.fixture
+def wrapped(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setattr(patch, "v2_greedy_verify_supported", lambda: True)
+    monkeypatch.setattr(patch, "greedy_verify_applies", lambda rs, batch, draft_logits: True)
+    module = _runner_module()
+    patch.apply(module)  # type: ignore[arg-type]
+    return module
+
+
+@pytest.mark.parametrize("cap", [30.0, None])
+def test_the_wrapper_returns_the_replayed_verification(wrapped: Any, cap: float | None) -> None:
+    persistent = _persistent()
+    runner = wrapped.GPUModelRunner(_graphs(persistent), cap)
+    out, num_sampled, num_rejected = runner.sample(
+        torch.randn(10, HIDDEN), _batch(persistent, 2), None
+    )
+    assert torch.equal(out.sampled_token_ids, torch.full((2, WIDTH), 7))
+    assert out.num_sampled is num_sampled and torch.equal(num_sampled, torch.full((2,), 2))
+    assert out.num_rejected is num_rejected and out.logprobs_tensors is None
+    stats = getattr(runner.rejection_sampler, GREEDY_VERIFY_ATTR)
+    assert (stats.batches, stats.graphed) == (1, 1)
+    assert stats.uncapped == (1 if cap else 0)  # a capped target's graph skipped the cap
+
+
+@pytest.mark.parametrize("case", ["not greedy", "grammar", "no graph for it"])
+def test_the_wrapper_leaves_other_batches_to_the_eager_paths(
+    wrapped: Any, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    persistent = _persistent()
+    runner = wrapped.GPUModelRunner(_graphs(persistent), None)  # no cap: vLLM's path next
+    batch = _batch(persistent, 3 if case == "no graph for it" else 2)
+    if case == "not greedy":
+        monkeypatch.setattr(patch, "greedy_verify_applies", lambda rs, b, d: False)
+    grammar = object() if case == "grammar" else None
+    assert runner.sample(torch.randn(10, HIDDEN), batch, grammar) == "vllm's"
+    assert getattr(runner.rejection_sampler, GREEDY_VERIFY_ATTR).graphed == 0
+
+
+def _serving_runner(**changes: Any) -> Any:
+    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
+    runner = _runner_module().GPUModelRunner(None, None)
+    runner.device = torch.device("cuda")
+    runner.vllm_config = SimpleNamespace(parallel_config=parallel)
+    runner.pcp_manager = None
+    for name, value in changes.items():
+        if name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            setattr(parallel, name, value)
+        else:
+            setattr(runner, name, value)
+    return runner
+
+
+@pytest.mark.parametrize(
+    ("changes", "serves"),
+    [
+        ({}, True),
+        ({"device": torch.device("cpu")}, False),
+        ({"tensor_parallel_size": 2}, False),
+        ({"pipeline_parallel_size": 2}, False),
+        ({"pcp_manager": object()}, False),
+        ({"speculator": SimpleNamespace(draft_logits=torch.zeros(1))}, False),
+        ({"speculator": None}, False),
+    ],
+)
+def test_graphs_serve_one_cuda_device_with_greedy_drafts(changes: dict, serves: bool) -> None:
+    assert patch.graphs_serve(_serving_runner(**changes)) is serves
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_captured_graphs_replay_what_the_launch_computes_eagerly() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(HIDDEN, 50, generator=gen).cuda()
+    persistent = _persistent("cuda")
+    persistent.input_ids.copy_(torch.randint(0, 50, (64,), generator=gen))
+
+    def verify(rows: Any, width: int, indices: Any, cu: Any, idx: Any) -> Any:
+        best = (rows @ weight).argmax(dim=-1)
+        drafts = persistent.input_ids[indices]
+        sampled = torch.where(best == drafts, best, -best).view(-1, width)
+        counts = (cu[1:] - cu[:-1]) + idx
+        return sampled, counts, counts * 2
+
+    graphs = VerifyGraphs(
+        verify, persistent, MAX_REQS, WIDTH, HIDDEN, torch.float32, torch.device("cuda")
+    )
+    graphs.capture()
+    assert sorted(graphs.graphs) == list(range(1, MAX_REQS + 1))
+    for n in (MAX_REQS, 1, 3):
+        batch = _batch(persistent, n)
+        batch.logits_indices = batch.logits_indices.cuda()
+        batch.cu_num_logits = batch.cu_num_logits.cuda()
+        batch.idx_mapping = batch.idx_mapping.cuda()
+        hidden = torch.randn(20, HIDDEN, device="cuda")
+        got = graphs.run(hidden, batch)
+        want = verify(
+            hidden[batch.logits_indices],
+            WIDTH,
+            batch.logits_indices,
+            batch.cu_num_logits,
+            batch.idx_mapping,
+        )
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
