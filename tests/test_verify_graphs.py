@@ -94,17 +94,20 @@ def test_a_decode_batch_replays_its_graph_over_its_own_rows() -> None:
     assert torch.equal(num_rejected, captured.num_rejected)
 
 
-@pytest.mark.parametrize("case", ["size not captured", "short of drafts", "other buffers"])
+@pytest.mark.parametrize(
+    "case", ["size not captured", "short of drafts", "other buffers", "other dtype"]
+)
 def test_other_batches_take_the_eager_path(case: str) -> None:
     persistent = _persistent()
     graphs = _graphs(persistent)
+    hidden = torch.randn(10, HIDDEN, dtype=torch.float64 if case == "other dtype" else None)
     if case == "size not captured":
         batch = _batch(persistent, 3)
     elif case == "short of drafts":
         batch = _batch(persistent, 2, rows=2 * WIDTH - 1)
     else:
-        batch = _batch(_persistent(), 2)  # views of other tensors than the graph read
-    assert graphs.run(torch.randn(10, HIDDEN), batch) is None
+        batch = _batch(_persistent() if case == "other buffers" else persistent, 2)
+    assert graphs.run(hidden, batch) is None
     assert graphs.replays == 0
 
 

@@ -135,6 +135,8 @@ class VerifyGraphs:
         if (
             captured is None
             or indices.shape[0] != n * self.width
+            or hidden_states.dtype != self.hidden.dtype
+            or hidden_states.shape[-1] != self.hidden.shape[-1]
             or not self.persistent.same_as(input_batch)
         ):
             return None
