@@ -128,23 +128,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_SMALL_LINEAR": "0"},
         "spec": {},
     },
-    # Opt-in, not yet measured end to end: all-greedy verification from the logits computed
-    # without the soft-cap, the capped argmax taken in one read (patch/patch_v2_sample.py,
-    # GEMMA4_SPEC_UNCAPPED_VERIFY=1): what it earns beside ours-V2.
-    "ours-V2-uncapped": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_UNCAPPED_VERIFY": "1"},
-        "spec": {},
-    },
-    # Opt-in, not yet measured end to end: the all-greedy verification of a decode batch
-    # (logits without the soft-cap, capped argmax, verification, count correction) replayed
-    # from a graph captured at start-up (spec_decode/verify_graphs.py,
-    # GEMMA4_SPEC_GRAPHED_VERIFY=1): the host's launches it spares, beside ours-V2-uncapped.
-    "ours-V2-graphed": {
+    # Ours' greedy verification as it ran before 227381e: vLLM's soft-capped logits, verified
+    # eagerly (GEMMA4_SPEC_UNCAPPED_VERIFY=0, GEMMA4_SPEC_GRAPHED_VERIFY=0); in 971a10f / 79128f0
+    # runs named "ours-V2" (the uncapped one was "ours-V2-uncapped").
+    "ours-V2-capped": {
         "env": {
             "VLLM_USE_V2_MODEL_RUNNER": "1",
-            "GEMMA4_SPEC_UNCAPPED_VERIFY": "1",
-            "GEMMA4_SPEC_GRAPHED_VERIFY": "1",
+            "GEMMA4_SPEC_UNCAPPED_VERIFY": "0",
+            "GEMMA4_SPEC_GRAPHED_VERIFY": "0",
         },
+        "spec": {},
+    },
+    # The verification from uncapped logits, launched eagerly (no start-up graphs,
+    # spec_decode/verify_graphs.py); in 5009256's run named "ours-V2-uncapped".
+    "ours-V2-eagerverify": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_GRAPHED_VERIFY": "0"},
         "spec": {},
     },
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):

@@ -40,9 +40,11 @@ What differs, and how we bridge it:
 * Greedy verification on Model Runner V2 without its rejection sampling
   (``patch/patch_v2_rejection_sampler.py``) reads V2's sampler states (temperature, logprobs,
   logit bias, penalties, bad words) to know a batch is greedy and unchanged: read in 0.26.0
-  (``V2_GREEDY_VERIFY_VLLM``). So does its opt-in feed from uncapped logits
-  (``patch/patch_v2_sample.py``), which also reads the runner's ``sample`` and the target's
-  ``LogitsProcessor`` (``soft_cap``, ``scale``, ``logits_as_input``) as 0.26.0 has them.
+  (``V2_GREEDY_VERIFY_VLLM``). So does its feed from uncapped logits and its start-up graphs
+  (``patch/patch_v2_sample.py``, ``spec_decode/verify_graphs.py``), which also read the
+  runner's ``sample``, input buffers and parallel config, the target's ``LogitsProcessor``
+  (``soft_cap``, ``scale``, ``logits_as_input``) and V2's ``get_num_sampled_and_rejected`` as
+  0.26.0 has them.
 * Greedy verification without vLLM's rejection sampler (``patch/patch_rejection_sampler.py``)
   must know every way vLLM can change a greedy batch's logits: penalties, allowed and bad
   words, logprobs, the thinking budget and the logits processors that are not argmax-invariant.

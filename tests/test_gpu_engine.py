@@ -58,14 +58,7 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
     engine in the same process ("CUDA graph capturing detected at an inappropriate time"), so
     each runner gets its own process. Greedy float32 output does not depend on the runner."""
     configs = _configs(_pairs(root), v2=runner == "1")
-    # The opt-in uncapped greedy verification (patch/patch_v2_sample.py) and its graphs
-    # (spec_decode/verify_graphs.py), V2 only, run here so that this test holds them to plain
-    # decoding before they can become the default.
-    env = {
-        "VLLM_USE_V2_MODEL_RUNNER": runner,
-        "GEMMA4_SPEC_UNCAPPED_VERIFY": "1",
-        "GEMMA4_SPEC_GRAPHED_VERIFY": "1",
-    }
+    env = {"VLLM_USE_V2_MODEL_RUNNER": runner}
     results = generate_in_subprocess(list(configs.values()), env=env)
     return dict(zip(configs, results, strict=True))
 
@@ -153,8 +146,8 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     # (patch/patch_v2_rejection_sampler.py), through these equal tokens.
     assert ours.greedy_verify_batches > 0
     assert plain.greedy_verify_batches == 0
-    # The E2B-shaped target soft-caps its logits as the real one does: with the opt-in switch set
-    # above they were computed without the cap's passes and the capped argmax taken in one read
+    # The E2B-shaped target soft-caps its logits as the real one does: they were computed
+    # without the cap's passes and the capped argmax taken in one read
     # (patch/patch_v2_sample.py), through these equal tokens. The tiny target has no cap:
     # vLLM's path, nothing to skip.
     if target == "e2b":
@@ -162,7 +155,7 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     else:
         assert ours.greedy_verify_uncapped == 0
     # Decode batches (every request with its k drafts) replayed their verification from the
-    # graphs captured at start-up (switch set above), through these equal tokens.
+    # graphs captured at start-up (spec_decode/verify_graphs.py), through these equal tokens.
     assert ours.greedy_verify_graphed > 0
     # The target's verification attention ran on the split-key kernel
     # (patch/patch_triton_attn.py), through these equal tokens.

@@ -93,7 +93,7 @@ def _batch(num_draft_tokens: int = 6) -> tuple[torch.Tensor, Any]:
 
 @pytest.fixture
 def wrapped(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.setenv(patch.UNCAPPED_VERIFY_ENV, "1")  # opt-in
+    monkeypatch.delenv(patch.UNCAPPED_VERIFY_ENV, raising=False)  # on by default
     monkeypatch.setattr(patch, "v2_greedy_verify_supported", lambda: True)
     monkeypatch.setattr(patch, "greedy_verify_applies", lambda rs, batch, draft_logits: True)
     module = _runner_module()
@@ -135,7 +135,7 @@ def test_every_other_batch_runs_vllms_sample(
     if case == "not greedy":
         monkeypatch.setattr(patch, "greedy_verify_applies", lambda rs, b, d: False)
     if case == "switched off":
-        set_env(patch.UNCAPPED_VERIFY_ENV, None)  # the default
+        set_env(patch.UNCAPPED_VERIFY_ENV, "0")
     if case == "nans":
         runner.rejection_sampler.sampler.compute_nans = True
     assert runner.sample(hidden, batch, grammar) == "vllm's"
@@ -176,7 +176,8 @@ def test_start_up_runs_the_kernel_once_for_the_runners_logits(
     import gemma4_spec.ops.capped_argmax as ops
 
     calls: list[tuple[tuple[int, ...], torch.dtype, float | None]] = []
-    monkeypatch.setenv(patch.UNCAPPED_VERIFY_ENV, "1")
+    monkeypatch.delenv(patch.UNCAPPED_VERIFY_ENV, raising=False)  # on by default
+    monkeypatch.setenv(patch.GRAPHED_VERIFY_ENV, "0")  # the graphs have tests of their own
     monkeypatch.setattr(patch, "v2_greedy_verify_supported", lambda: supported)
     monkeypatch.setattr(
         ops, "capped_argmax", lambda x, cap: calls.append((tuple(x.shape), x.dtype, cap))

@@ -64,9 +64,18 @@ class _Graph:
         )
 
 
-def _graphs(persistent: Persistent, sizes: tuple[int, ...] = (2,)) -> VerifyGraphs:
+def _graphs(
+    persistent: Persistent, sizes: tuple[int, ...] = (2,), uncapped: bool = False
+) -> VerifyGraphs:
     graphs = VerifyGraphs(
-        lambda *args: None, persistent, MAX_REQS, WIDTH, HIDDEN, torch.float32, torch.device("cpu")
+        lambda *args: None,
+        persistent,
+        MAX_REQS,
+        WIDTH,
+        uncapped,
+        HIDDEN,
+        torch.float32,
+        torch.device("cpu"),
     )
     for n in sizes:
         outputs = (torch.full((n, WIDTH), 7), torch.full((n,), 2), torch.full((n,), 1))
@@ -143,7 +152,7 @@ def wrapped(monkeypatch: pytest.MonkeyPatch) -> Any:
 @pytest.mark.parametrize("cap", [30.0, None])
 def test_the_wrapper_returns_the_replayed_verification(wrapped: Any, cap: float | None) -> None:
     persistent = _persistent()
-    runner = wrapped.GPUModelRunner(_graphs(persistent), cap)
+    runner = wrapped.GPUModelRunner(_graphs(persistent, uncapped=cap is not None), cap)
     out, num_sampled, num_rejected = runner.sample(
         torch.randn(10, HIDDEN), _batch(persistent, 2), None
     )
@@ -175,6 +184,7 @@ def _serving_runner(**changes: Any) -> Any:
     runner.device = torch.device("cuda")
     runner.vllm_config = SimpleNamespace(parallel_config=parallel)
     runner.pcp_manager = None
+    runner.lora_config = None
     for name, value in changes.items():
         if name in ("tensor_parallel_size", "pipeline_parallel_size"):
             setattr(parallel, name, value)
@@ -191,6 +201,7 @@ def _serving_runner(**changes: Any) -> Any:
         ({"tensor_parallel_size": 2}, False),
         ({"pipeline_parallel_size": 2}, False),
         ({"pcp_manager": object()}, False),
+        ({"lora_config": object()}, False),
         ({"speculator": SimpleNamespace(draft_logits=torch.zeros(1))}, False),
         ({"speculator": None}, False),
     ],
@@ -214,7 +225,7 @@ def test_captured_graphs_replay_what_the_launch_computes_eagerly() -> None:
         return sampled, counts, counts * 2
 
     graphs = VerifyGraphs(
-        verify, persistent, MAX_REQS, WIDTH, HIDDEN, torch.float32, torch.device("cuda")
+        verify, persistent, MAX_REQS, WIDTH, False, HIDDEN, torch.float32, torch.device("cuda")
     )
     graphs.capture()
     assert sorted(graphs.graphs) == list(range(1, MAX_REQS + 1))
@@ -234,3 +245,49 @@ def test_captured_graphs_replay_what_the_launch_computes_eagerly() -> None:
         )
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize(
+    ("uncapped_env", "graphed_env", "serves", "built"),
+    [
+        (None, None, True, "uncapped"),  # the defaults
+        ("0", None, True, "capped"),  # the graph keeps vLLM's capped logits
+        (None, "0", True, None),
+        (None, None, False, None),
+    ],
+)
+def test_start_up_captures_the_graphs_the_switches_ask_for(
+    monkeypatch: pytest.MonkeyPatch,
+    set_env: Any,
+    uncapped_env: str | None,
+    graphed_env: str | None,
+    serves: bool,
+    built: str | None,
+) -> None:
+    import gemma4_spec.ops.capped_argmax as ops
+
+    set_env(patch.UNCAPPED_VERIFY_ENV, uncapped_env)
+    set_env(patch.GRAPHED_VERIFY_ENV, graphed_env)
+    monkeypatch.setattr(patch, "v2_greedy_verify_supported", lambda: True)
+    monkeypatch.setattr(patch, "graphs_serve", lambda runner: serves)
+    monkeypatch.setattr(ops, "capped_argmax", lambda x, cap: None)
+    heads: list[Any] = []
+
+    def build(runner: Any, head: Any) -> Any:
+        heads.append(head)
+        return SimpleNamespace(capture=lambda: None)
+
+    monkeypatch.setattr(patch, "build_verify_graphs", build)
+    runner = SimpleNamespace(
+        model_config=SimpleNamespace(get_vocab_size=lambda: 8),
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    head = patch.CappedHead(SimpleNamespace(), 30.0)
+    setattr(runner, patch.CAPPED_HEAD_ATTR, head)
+    patch.prepare(runner)
+    graphs = getattr(runner, patch.VERIFY_GRAPHS_ATTR, None)
+    if built is None:
+        assert heads == [] and graphs is None
+    else:
+        assert heads == [head if built == "uncapped" else None] and graphs is not None

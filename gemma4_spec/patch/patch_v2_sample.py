@@ -13,13 +13,11 @@ runs torch's formula, the same cost as vLLM's path).
 
 The target's ``LogitsProcessor`` is found once per runner (the one module of that class in the
 target, with a soft-cap, no scale and no logits as input); the cap is set to ``None`` for the one
-call and restored. Opt-in (``GEMMA4_SPEC_UNCAPPED_VERIFY=1``) until a GPU engine with a capped
-target has run it and the real-work benchmark has measured it (``benchmarks/results/h200``).
+call and restored. ``GEMMA4_SPEC_UNCAPPED_VERIFY=0`` keeps vLLM's capped logits.
 
-With ``GEMMA4_SPEC_GRAPHED_VERIFY=1`` (opt-in, not yet measured), a decode batch (every request
-with its k drafts) replays this verification from a graph captured at start-up by ``prepare``
-(``spec_decode/verify_graphs.py``): the same kernels, the logits uncapped where the target has
-a cap, without their host launches.
+A decode batch (every request with its k drafts) replays this verification from a graph
+captured at start-up by ``prepare`` (``spec_decode/verify_graphs.py``): the same kernels
+without their host launches; ``GEMMA4_SPEC_GRAPHED_VERIFY=0`` runs them eagerly.
 
 Wraps: ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.sample``. vLLM versions:
 ``compat.V2_GREEDY_VERIFY_VLLM`` (0.26), as the greedy path it feeds.
@@ -42,8 +40,8 @@ from gemma4_spec.patch.patch_v2_rejection_sampler import (
     VERIFY_GREEDY_TOKENS,
     greedy_verify_applies,
 )
-from gemma4_spec.spec_decode.verify_graphs import GRAPHED_VERIFY_ENV
-from gemma4_spec.switches import turned_on
+from gemma4_spec.spec_decode.verify_graphs import GRAPHED_VERIFY_ENV, MAX_GRAPHED_ROWS
+from gemma4_spec.switches import turned_off
 
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 UNCAPPED_VERIFY_ENV = "GEMMA4_SPEC_UNCAPPED_VERIFY"
@@ -132,13 +130,13 @@ def prepare(runner: Any) -> None:
 
     if not v2_greedy_verify_supported():
         return
-    head = capped_head(runner)
-    if head is not None and (turned_on(UNCAPPED_VERIFY_ENV) or turned_on(GRAPHED_VERIFY_ENV)):
+    head = capped_head(runner) if not turned_off(UNCAPPED_VERIFY_ENV) else None
+    if head is not None:
         vocab = runner.model_config.get_vocab_size()
         dtype = getattr(head.processor, "head_dtype", None) or runner.dtype
         with torch.inference_mode():
             capped_argmax(torch.zeros(1, vocab, dtype=dtype, device=runner.device), head.cap)
-    if turned_on(GRAPHED_VERIFY_ENV) and graphs_serve(runner):
+    if not turned_off(GRAPHED_VERIFY_ENV) and graphs_serve(runner):
         with torch.inference_mode():
             graphs = build_verify_graphs(runner, head)
             graphs.capture()
@@ -147,10 +145,12 @@ def prepare(runner: Any) -> None:
 
 def graphs_serve(runner: Any) -> bool:
     """Whether verification graphs can serve the runner: our greedy path, greedy drafts, one
-    CUDA device (no tensor, pipeline or context parallelism)."""
+    CUDA device (no tensor, pipeline or context parallelism), no LoRA (whose per-step adapter
+    state a graph would bake in)."""
     parallel = runner.vllm_config.parallel_config
     return (
         runner.device.type == "cuda"
+        and getattr(runner, "lora_config", None) is None
         and has_greedy_path(runner)
         and runner.speculator.draft_logits is None
         and parallel.tensor_parallel_size == 1
@@ -162,7 +162,8 @@ def graphs_serve(runner: Any) -> bool:
 def build_verify_graphs(runner: Any, head: CappedHead | None) -> Any:
     """The runner's ``VerifyGraphs`` (not yet captured): the verification of
     ``patch_v2_rejection_sampler.verified_output``, from logits computed as this module's
-    eager path computes them (without the cap where the target has one)."""
+    eager path computes them (``head``: without the cap, where the target has one and the
+    switch allows)."""
     import importlib
 
     from gemma4_spec.ops.capped_argmax import capped_argmax
@@ -199,11 +200,13 @@ def build_verify_graphs(runner: Any, head: CappedHead | None) -> Any:
         )
         return sampled, num_sampled, num_rejected
 
+    width = rs.num_speculative_steps + 1
     return VerifyGraphs(
         verify,
         persistent,
-        max_reqs=runner.max_num_reqs,
-        width=rs.num_speculative_steps + 1,
+        max_reqs=min(runner.max_num_reqs, MAX_GRAPHED_ROWS // width),
+        width=width,
+        uncapped=head is not None,
         hidden_size=runner.model_config.get_hidden_size(),
         dtype=runner.dtype,
         device=runner.device,
@@ -227,7 +230,7 @@ def apply(module: ModuleType) -> None:
                 return graphed_output(self, *replayed)
         head = (
             uncapped_head_for(self, input_batch, grammar_output)
-            if turned_on(UNCAPPED_VERIFY_ENV)
+            if not turned_off(UNCAPPED_VERIFY_ENV)
             else None
         )
         if head is None:
@@ -253,7 +256,7 @@ def graphed_output(runner: Any, sampled: Any, num_sampled: Any, num_rejected: An
     stats = getattr(runner.rejection_sampler, GREEDY_VERIFY_ATTR)
     stats.batches += 1
     stats.graphed += 1
-    if capped_head(runner) is not None:  # the graph computed the logits without the cap
+    if getattr(runner, VERIFY_GRAPHS_ATTR).uncapped:  # its logits were computed without the cap
         stats.uncapped += 1
     out = sampler_output(
         sampled_token_ids=sampled,

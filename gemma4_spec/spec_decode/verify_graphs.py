@@ -16,10 +16,11 @@ verification after its prefill, a batch with a request short of drafts) run the 
 The batch must pass the same gate as the eager greedy path (greedy requests, nothing that
 changes the logits, no grammar); the graph computes what that path computes, from the same
 kernels, so its tokens are the eager path's (the GPU engine test compares both with plain
-decoding). Graphs are captured for ``n`` from 1 to ``max_num_reqs`` at start-up, in one memory
-pool (the logits of the largest batch are the largest allocation, and the graphs share it), so
-nothing is captured in a request's path. Opt-in (``GEMMA4_SPEC_GRAPHED_VERIFY=1``) until the
-real-work benchmark has measured it; on CUDA, one GPU (no tensor or pipeline parallelism), V2.
+decoding). Graphs are captured for ``n`` from 1 to ``max_num_reqs`` (at most
+``MAX_GRAPHED_ROWS`` rows) at start-up, in one memory pool (the logits of the largest batch are
+the largest allocation, and the graphs share it), so nothing is captured in a request's path.
+On CUDA, one GPU (no tensor or pipeline parallelism), no LoRA, V2;
+``GEMMA4_SPEC_GRAPHED_VERIFY=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from gemma4_spec.log import get_logger
 
 logger = get_logger(__name__)
 GRAPHED_VERIFY_ENV = "GEMMA4_SPEC_GRAPHED_VERIFY"
+# The largest batch graphed, in logits rows (64 requests at k = 3): the graphs share one memory
+# pool that holds the logits of the largest, ``[rows, V]`` (134 MB for Gemma 4's 262144-token
+# vocabulary in bfloat16), for as long as the engine runs; larger batches run eagerly.
+MAX_GRAPHED_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class VerifyGraphs:
         persistent: Persistent,
         max_reqs: int,
         width: int,
+        uncapped: bool,
         hidden_size: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -88,6 +94,7 @@ class VerifyGraphs:
         self.persistent = persistent
         self.max_reqs = max_reqs
         self.width = width
+        self.uncapped = uncapped  # whether ``verify`` computes the logits without the soft-cap
         rows = max_reqs * width
         self.hidden = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
         self.logits_indices = torch.arange(rows, dtype=torch.int64, device=device)
