@@ -65,11 +65,20 @@ SCOPES: tuple[tuple[int, str], ...] = (
     (2, "vllm.v1.worker.gpu_model_runner:GPUModelRunner._get_draft_token_ids_cpu"),
     # Model Runner V2 (vLLM's default for Gemma 4, where the in-tree gemma4_mtp runs)
     (2, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.execute_model"),
+    (3, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.add_requests"),
+    (3, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.update_requests"),
+    (3, "vllm.v1.worker.gpu.block_table:BlockTables.apply_staged_writes"),
     (3, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_inputs"),
     (3, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.prepare_attn"),
+    (3, "vllm.v1.worker.gpu.model_states.default:DefaultModelState.prepare_attn"),
+    # The target's replay (the first launch of each graph uploads it: first-pass cost).
+    (3, "vllm.v1.worker.gpu.cudagraph_utils:ModelCudaGraphManager.run_fullgraph"),
     (2, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample_tokens"),
     (3, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.sample"),
     (3, "vllm.v1.worker.gpu.model_runner:GPUModelRunner.postprocess_sampled"),
+    # The device-to-host copies of a step's output, started after sampling.
+    (3, "vllm.v1.worker.gpu.async_utils:AsyncOutput.__init__"),
+    (3, "vllm.v1.worker.gpu.spec_decode.utils:DraftTokensHandler.set_draft_tokens"),
     (
         3,
         "vllm.v1.worker.gpu.spec_decode.autoregressive.speculator:AutoRegressiveSpeculator.propose",
