@@ -291,3 +291,26 @@ def test_start_up_captures_the_graphs_the_switches_ask_for(
         assert heads == [] and graphs is None
     else:
         assert heads == [head if built == "uncapped" else None] and graphs is not None
+
+
+def test_a_failed_capture_leaves_the_engine_on_the_eager_path(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    monkeypatch.delenv(patch.GRAPHED_VERIFY_ENV, raising=False)
+    monkeypatch.setattr(patch, "v2_greedy_verify_supported", lambda: True)
+    monkeypatch.setattr(patch, "graphs_serve", lambda runner: True)
+
+    def failing_capture() -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(
+        patch, "build_verify_graphs", lambda r, h: SimpleNamespace(capture=failing_capture)
+    )
+    runner = SimpleNamespace(dtype=torch.float32, device=torch.device("cpu"))
+    setattr(runner, patch.CAPPED_HEAD_ATTR, None)
+    with caplog.at_level(logging.WARNING):
+        patch.prepare(runner)
+    assert getattr(runner, patch.VERIFY_GRAPHS_ATTR, None) is None
+    assert "runs without graphs (capture failed: RuntimeError" in caplog.text

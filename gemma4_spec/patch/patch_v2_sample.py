@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Any
 
 from gemma4_spec.compat import v2_greedy_verify_supported
+from gemma4_spec.log import get_logger
 from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
 from gemma4_spec.patch.patch_v2_rejection_sampler import (
@@ -43,6 +44,7 @@ from gemma4_spec.patch.patch_v2_rejection_sampler import (
 from gemma4_spec.spec_decode.verify_graphs import GRAPHED_VERIFY_ENV, MAX_GRAPHED_ROWS
 from gemma4_spec.switches import turned_off
 
+logger = get_logger(__name__)
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 UNCAPPED_VERIFY_ENV = "GEMMA4_SPEC_UNCAPPED_VERIFY"
 CAPPED_HEAD_ATTR = "gemma4_spec_capped_head"
@@ -137,9 +139,17 @@ def prepare(runner: Any) -> None:
         with torch.inference_mode():
             capped_argmax(torch.zeros(1, vocab, dtype=dtype, device=runner.device), head.cap)
     if not turned_off(GRAPHED_VERIFY_ENV) and graphs_serve(runner):
-        with torch.inference_mode():
-            graphs = build_verify_graphs(runner, head)
-            graphs.capture()
+        try:
+            with torch.inference_mode():
+                graphs = build_verify_graphs(runner, head)
+                graphs.capture()
+        except Exception as exc:  # the engine still serves: the eager path computes the same
+            logger.warning(
+                "gemma4_spec: greedy verification runs without graphs (capture failed: %s: %s)",
+                type(exc).__name__,
+                exc,
+            )
+            return
         setattr(runner, VERIFY_GRAPHS_ATTR, graphs)
 
 
