@@ -295,6 +295,7 @@ def _batch() -> Any:
         cu_num_logits=cu,
         seq_lens=None,
         idx_mapping=None,
+        positions=None,
     )
     return logits, batch, greedy_verify_rows_reference(best, input_ids, logits_indices, cu, 4)
 

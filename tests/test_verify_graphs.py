@@ -28,8 +28,6 @@ def _persistent(device: str = "cpu") -> Persistent:
         input_ids=torch.zeros(64, dtype=torch.int32, device=device),
         positions=torch.zeros(64, dtype=torch.int64, device=device),
         seq_lens=torch.zeros(8, dtype=torch.int32, device=device),
-        seeds=torch.zeros(8, dtype=torch.int64, device=device),
-        prefill_len=torch.zeros(8, dtype=torch.int32, device=device),
     )
 
 

@@ -123,33 +123,67 @@ def verified_output(
     """V2's ``SamplerOutput`` (``module``'s names) for a batch ``greedy_verify_applies`` lets
     through, from each logits row's greedy token ``best`` (``[rows]`` int64), as V2's rejection
     sampling gives it."""
+    tokens = verify_rows(
+        module,
+        rejection_sampler,
+        best,
+        input_batch.input_ids,
+        input_batch.positions,
+        input_batch.seq_lens,
+        input_batch.logits_indices,
+        input_batch.cu_num_logits,
+        input_batch.idx_mapping,
+    )
+    return sampler_output(module, rejection_sampler, *tokens, num_nans)
+
+
+def verify_rows(
+    module: ModuleType,
+    rejection_sampler: Any,
+    best: Any,
+    input_ids: Any,
+    positions: Any,
+    seq_lens: Any,
+    logits_indices: Any,
+    cu_num_logits: Any,
+    idx_mapping: Any,
+) -> tuple[Any, Any, Any]:
+    """(sampled tokens ``[R, k + 1]``, sampled counts, rejected counts) of a greedy batch from
+    each logits row's greedy token ``best``: our verification kernel (with the sampler's
+    synthetic acceptance, if it has one), then V2's count correction for prompt chunks. The
+    step's tensors are passed one by one: ``spec_decode/verify_graphs.py`` launches this over
+    its own copies of the index arrays."""
     from gemma4_spec.ops.greedy_verify import SyntheticAcceptance, greedy_verify_rows
 
     rs = rejection_sampler
-    getattr(rs, GREEDY_VERIFY_ATTR).batches += 1
     synthetic = None
     if rs.synthetic_conditional_rates is not None:
         synthetic = SyntheticAcceptance(
             rs.synthetic_conditional_rates,
             rs.sampler.sampling_states.seeds.gpu,
-            input_batch.idx_mapping,
-            input_batch.positions,
+            idx_mapping,
+            positions,
         )
     sampled, num_sampled = greedy_verify_rows(
-        best,
-        input_batch.input_ids,
-        input_batch.logits_indices,
-        input_batch.cu_num_logits,
-        rs.num_speculative_steps + 1,
-        synthetic,
+        best, input_ids, logits_indices, cu_num_logits, rs.num_speculative_steps + 1, synthetic
     )
     num_sampled, num_rejected = module.get_num_sampled_and_rejected(
-        num_sampled,
-        input_batch.seq_lens,
-        input_batch.cu_num_logits,
-        input_batch.idx_mapping,
-        rs.sampler.req_states.prefill_len.gpu,
+        num_sampled, seq_lens, cu_num_logits, idx_mapping, rs.sampler.req_states.prefill_len.gpu
     )
+    return sampled, num_sampled, num_rejected
+
+
+def sampler_output(
+    module: ModuleType,
+    rejection_sampler: Any,
+    sampled: Any,
+    num_sampled: Any,
+    num_rejected: Any,
+    num_nans: Any,
+) -> Any:
+    """V2's ``SamplerOutput`` of a batch our greedy path verified, counted in the sampler's
+    ``GreedyVerifyStats``."""
+    getattr(rejection_sampler, GREEDY_VERIFY_ATTR).batches += 1
     return module.SamplerOutput(
         sampled_token_ids=sampled,
         logprobs_tensors=None,

@@ -40,6 +40,8 @@ from gemma4_spec.patch.patch_v2_rejection_sampler import (
     V2_REJECTION_SAMPLER_MODULE,
     VERIFY_GREEDY_TOKENS,
     greedy_verify_applies,
+    sampler_output,
+    verify_rows,
 )
 from gemma4_spec.spec_decode.verify_graphs import GRAPHED_VERIFY_ENV, MAX_GRAPHED_ROWS
 from gemma4_spec.switches import turned_off
@@ -113,13 +115,17 @@ def greedy_batch(runner: Any, input_batch: Any, grammar_output: Any) -> bool:
     return greedy_verify_applies(rs, input_batch, runner.speculator.draft_logits)
 
 
-def uncapped_head_for(runner: Any, input_batch: Any, grammar_output: Any) -> CappedHead | None:
-    """The head to take this batch's logits from uncapped, if the all-greedy path verifies
-    the batch (``greedy_batch``); else ``None``."""
-    head = capped_head(runner)  # looked up once; a target without a cap stops here each step
-    if head is None or not greedy_batch(runner, input_batch, grammar_output):
-        return None
-    return head
+def greedy_tokens(runner: Any, head: CappedHead | None, rows: Any) -> Any:
+    """``[rows]`` int64: each hidden row's greedy token under the target's capped logits, the
+    logits computed without the cap and ``ops/capped_argmax`` taking the capped argmax where
+    ``head`` is given, vLLM's logits and their argmax otherwise."""
+    if head is None:
+        return runner.model.compute_logits(rows).argmax(dim=-1)
+    from gemma4_spec.ops.capped_argmax import capped_argmax
+
+    with uncapped(head):
+        logits = runner.model.compute_logits(rows)
+    return capped_argmax(logits, head.cap)
 
 
 def prepare(runner: Any) -> None:
@@ -170,45 +176,32 @@ def graphs_serve(runner: Any) -> bool:
 
 
 def build_verify_graphs(runner: Any, head: CappedHead | None) -> Any:
-    """The runner's ``VerifyGraphs`` (not yet captured): the verification of
-    ``patch_v2_rejection_sampler.verified_output``, from logits computed as this module's
-    eager path computes them (``head``: without the cap, where the target has one and the
-    switch allows)."""
+    """The runner's ``VerifyGraphs`` (not yet captured): ``greedy_tokens`` and
+    ``patch_v2_rejection_sampler.verify_rows``, as the eager path runs them (``head``: the
+    logits without the cap, where the target has one and the switch allows), over the runner's
+    persistent input buffers."""
     import importlib
 
-    from gemma4_spec.ops.capped_argmax import capped_argmax
-    from gemma4_spec.ops.greedy_verify import SyntheticAcceptance, greedy_verify_rows
     from gemma4_spec.spec_decode.verify_graphs import Persistent, VerifyGraphs
 
     rs = runner.rejection_sampler
     module = importlib.import_module(V2_REJECTION_SAMPLER_MODULE)
     buffers = runner.input_buffers
-    persistent = Persistent(
-        input_ids=buffers.input_ids,
-        positions=buffers.positions,
-        seq_lens=buffers.seq_lens,
-        seeds=rs.sampler.sampling_states.seeds.gpu,
-        prefill_len=rs.sampler.req_states.prefill_len.gpu,
-    )
-    rates = rs.synthetic_conditional_rates
+    persistent = Persistent(buffers.input_ids, buffers.positions, buffers.seq_lens)
 
     def verify(rows: Any, width: int, logits_indices: Any, cu_num_logits: Any, idx: Any) -> Any:
-        if head is None:
-            best = runner.model.compute_logits(rows).argmax(dim=-1)
-        else:
-            with uncapped(head):
-                logits = runner.model.compute_logits(rows)
-            best = capped_argmax(logits, head.cap)
-        synthetic = None
-        if rates is not None:
-            synthetic = SyntheticAcceptance(rates, persistent.seeds, idx, persistent.positions)
-        sampled, num_sampled = greedy_verify_rows(
-            best, persistent.input_ids, logits_indices, cu_num_logits, width, synthetic
+        del width  # the sampler's own k + 1
+        return verify_rows(
+            module,
+            rs,
+            greedy_tokens(runner, head, rows),
+            persistent.input_ids,
+            persistent.positions,
+            persistent.seq_lens,
+            logits_indices,
+            cu_num_logits,
+            idx,
         )
-        num_sampled, num_rejected = module.get_num_sampled_and_rejected(
-            num_sampled, persistent.seq_lens, cu_num_logits, idx, persistent.prefill_len
-        )
-        return sampled, num_sampled, num_rejected
 
     width = rs.num_speculative_steps + 1
     return VerifyGraphs(
@@ -234,45 +227,38 @@ def apply(module: ModuleType) -> None:
     @functools.wraps(vllms_sample)
     def sample(self: Any, hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
         graphs = getattr(self, VERIFY_GRAPHS_ATTR, None)
-        if graphs is not None and greedy_batch(self, input_batch, grammar_output):
+        # Looked up once per runner; a target without a cap and no graphs stop here each step.
+        head = capped_head(self) if not turned_off(UNCAPPED_VERIFY_ENV) else None
+        if graphs is None and head is None:
+            return vllms_sample(self, hidden_states, input_batch, grammar_output)
+        if not greedy_batch(self, input_batch, grammar_output):
+            return vllms_sample(self, hidden_states, input_batch, grammar_output)
+        if graphs is not None:
             replayed = graphs.run(hidden_states, input_batch)
             if replayed is not None:
-                return graphed_output(self, *replayed)
-        head = (
-            uncapped_head_for(self, input_batch, grammar_output)
-            if not turned_off(UNCAPPED_VERIFY_ENV)
-            else None
-        )
+                return graphed_output(self, graphs, *replayed)
         if head is None:
             return vllms_sample(self, hidden_states, input_batch, grammar_output)
-        from gemma4_spec.ops.capped_argmax import capped_argmax
-
-        with uncapped(head):
-            logits = self.model.compute_logits(hidden_states[input_batch.logits_indices])
         rs = self.rejection_sampler
         getattr(rs, GREEDY_VERIFY_ATTR).uncapped += 1
-        verify = getattr(rs, VERIFY_GREEDY_TOKENS)
-        out = verify(capped_argmax(logits, head.cap), input_batch)
+        best = greedy_tokens(self, head, hidden_states[input_batch.logits_indices])
+        out = getattr(rs, VERIFY_GREEDY_TOKENS)(best, input_batch)
         return out, out.num_sampled, out.num_rejected
 
     runner_class.sample = ours(sample)
 
 
-def graphed_output(runner: Any, sampled: Any, num_sampled: Any, num_rejected: Any) -> Any:
+def graphed_output(
+    runner: Any, graphs: Any, sampled: Any, num_sampled: Any, num_rejected: Any
+) -> Any:
     """``sample``'s return from a replayed verification: V2's ``SamplerOutput`` and counts."""
     import importlib
 
-    sampler_output = importlib.import_module(V2_REJECTION_SAMPLER_MODULE).SamplerOutput
-    stats = getattr(runner.rejection_sampler, GREEDY_VERIFY_ATTR)
-    stats.batches += 1
+    rs = runner.rejection_sampler
+    stats = getattr(rs, GREEDY_VERIFY_ATTR)
     stats.graphed += 1
-    if getattr(runner, VERIFY_GRAPHS_ATTR).uncapped:  # its logits were computed without the cap
+    if graphs.uncapped:  # its logits were computed without the cap
         stats.uncapped += 1
-    out = sampler_output(
-        sampled_token_ids=sampled,
-        logprobs_tensors=None,
-        num_nans=None,
-        num_sampled=num_sampled,
-        num_rejected=num_rejected,
-    )
+    module = importlib.import_module(V2_REJECTION_SAMPLER_MODULE)
+    out = sampler_output(module, rs, sampled, num_sampled, num_rejected, None)
     return out, num_sampled, num_rejected

@@ -42,15 +42,12 @@ MAX_GRAPHED_ROWS = 256
 
 @dataclass(frozen=True)
 class Persistent:
-    """The runner's persistent buffers a verification reads (the graphs bake in their
-    addresses): the step's input ids and positions, the requests' sequence lengths, and by
-    request state index the seeds and prefill lengths."""
+    """The runner's per-step input buffers a verification reads (the graphs bake in their
+    addresses): the step's input ids and positions, the requests' sequence lengths."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     seq_lens: torch.Tensor
-    seeds: torch.Tensor
-    prefill_len: torch.Tensor
 
     def same_as(self, input_batch: Any) -> bool:
         """Whether the step's tensors are views from the start of these buffers."""
