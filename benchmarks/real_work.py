@@ -588,8 +588,7 @@ def main() -> int:
         default=0,
         help="after start-up, move every engine's threads to the same N cores (the last N of "
         "this process's): the engines are timed in turn, so each cell then runs on the cores "
-        "the others ran on, and a core's speed (which moves from core to core on the GPU "
-        "machine) hits every engine alike",
+        "the others ran on, and no engine is timed on faster or slower cores than another",
     )
     parser.add_argument("--measure-on", default=None, help=argparse.SUPPRESS)
     parser.add_argument(
