@@ -364,6 +364,36 @@ def test_wrapped_sampler_hands_synthetic_acceptance_v2s_draw_inputs(
     assert synthetic.positions is batch.positions
 
 
+def test_the_count_correction_reads_the_prefill_lengths_vllm_holds_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # V2's prefill lengths live in a ring of buffers (UvaBackedTensor): each step must read the
+    # one ``gpu`` points at then, as vLLM's own sampling does.
+    from gemma4_spec.testing.uva_ring import UvaRing
+
+    monkeypatch.delenv(GREEDY_VERIFY_ENV, raising=False)
+    monkeypatch.setattr(patch, "v2_greedy_verify_supported", lambda: True)
+    module = _vllm_module()
+    handed: list[Any] = []
+
+    def correction(num_sampled: Any, *args: Any) -> Any:
+        handed.append(args[-1])
+        return num_sampled, torch.zeros_like(num_sampled)
+
+    module.get_num_sampled_and_rejected = correction  # type: ignore[attr-defined]
+    patch.apply(module)
+    sampler = _sampler()
+    ring = UvaRing(torch.zeros(STATES, dtype=torch.int32))
+    sampler.req_states.prefill_len = ring
+    rs = module.RejectionSampler(sampler, _spec_config(True), "cpu")  # type: ignore[attr-defined]
+    logits, batch, _ = _batch()
+    for _ in range(3):
+        ring.copy_to_uva()
+        rs(logits, batch, None)
+        assert handed[-1] is ring.gpu
+    assert len({t.data_ptr() for t in handed}) == 2  # both buffers of the ring were read
+
+
 def test_not_installed_where_the_gate_was_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
     from packaging.version import Version
 

@@ -17,6 +17,7 @@ import torch
 from gemma4_spec.patch import patch_v2_sample as patch
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR, GreedyVerifyStats
 from gemma4_spec.spec_decode.verify_graphs import Captured, Persistent, VerifyGraphs
+from gemma4_spec.testing.uva_ring import UvaRing
 
 WIDTH = 3  # k = 2
 HIDDEN = 4
@@ -59,15 +60,26 @@ class _Graph:
             g.logits_indices[:rows].clone(),
             g.cu_num_logits[: self.n + 1].clone(),
             g.idx_mapping[: self.n].clone(),
+            tuple(a.clone() for a in g.arrays),
         )
 
 
+def _prefill_lens() -> UvaRing:
+    """A request-state array as V2 keeps its prefill lengths: a ring of buffers."""
+    return UvaRing(torch.arange(MAX_REQS, dtype=torch.int32) + 100)
+
+
 def _graphs(
-    persistent: Persistent, sizes: tuple[int, ...] = (2,), uncapped: bool = False
+    persistent: Persistent,
+    sizes: tuple[int, ...] = (2,),
+    uncapped: bool = False,
+    ring: UvaRing | None = None,
 ) -> VerifyGraphs:
+    ring = _prefill_lens() if ring is None else ring
     graphs = VerifyGraphs(
         lambda *args: None,
         persistent,
+        lambda: (ring.gpu,),
         MAX_REQS,
         WIDTH,
         uncapped,
@@ -88,7 +100,7 @@ def test_a_decode_batch_replays_its_graph_over_its_own_rows() -> None:
     hidden = torch.randn(10, HIDDEN)
     sampled, num_sampled, num_rejected = graphs.run(hidden, batch)
     graph = graphs.graphs[2].graph
-    rows, indices, cu, idx = graph.seen  # type: ignore[attr-defined]
+    rows, indices, cu, idx, _ = graph.seen  # type: ignore[attr-defined]
     assert torch.equal(rows, hidden[batch.logits_indices])
     assert torch.equal(indices, batch.logits_indices)
     assert torch.equal(cu, batch.cu_num_logits) and torch.equal(idx, batch.idx_mapping)
@@ -99,6 +111,24 @@ def test_a_decode_batch_replays_its_graph_over_its_own_rows() -> None:
     assert sampled.data_ptr() != captured.sampled.data_ptr()
     assert torch.equal(num_sampled, captured.num_sampled)
     assert torch.equal(num_rejected, captured.num_rejected)
+
+
+def test_a_replay_reads_the_request_arrays_vllm_holds_now() -> None:
+    # V2 moves a UvaBackedTensor's ``gpu`` to the next buffer of its ring at every update, so
+    # the buffer current at capture holds stale values every other step: the H200's trained
+    # pair lost greedy equality with plain decoding from its second pass while the graphs
+    # read the prefill lengths through the pointer they baked in.
+    persistent = _persistent()
+    ring = _prefill_lens()
+    graphs = _graphs(persistent, ring=ring)
+    assert graphs.arrays[0].data_ptr() not in {b.data_ptr() for b in ring._ring}
+    hidden = torch.randn(10, HIDDEN)
+    for step in range(3):
+        ring.np[:] = 200 + 10 * step  # new requests: new lengths, another buffer
+        ring.copy_to_uva()
+        graphs.run(hidden, _batch(persistent, 2))
+        (seen,) = graphs.graphs[2].graph.seen[-1]  # type: ignore[attr-defined]
+        assert torch.equal(seen, torch.full((MAX_REQS,), 200 + 10 * step, dtype=torch.int32))
 
 
 @pytest.mark.parametrize(
@@ -215,19 +245,30 @@ def test_captured_graphs_replay_what_the_launch_computes_eagerly() -> None:
     persistent = _persistent("cuda")
     persistent.input_ids.copy_(torch.randint(0, 50, (64,), generator=gen))
 
-    def verify(rows: Any, width: int, indices: Any, cu: Any, idx: Any) -> Any:
+    def verify(rows: Any, width: int, indices: Any, cu: Any, idx: Any, lens: Any) -> Any:
         best = (rows @ weight).argmax(dim=-1)
         drafts = persistent.input_ids[indices]
         sampled = torch.where(best == drafts, best, -best).view(-1, width)
         counts = (cu[1:] - cu[:-1]) + idx
-        return sampled, counts, counts * 2
+        return sampled, counts, counts * 2 + lens[idx.long()]
 
+    ring = UvaRing(torch.arange(MAX_REQS, dtype=torch.int32), "cuda")
     graphs = VerifyGraphs(
-        verify, persistent, MAX_REQS, WIDTH, False, HIDDEN, torch.float32, torch.device("cuda")
+        verify,
+        persistent,
+        lambda: (ring.gpu,),
+        MAX_REQS,
+        WIDTH,
+        False,
+        HIDDEN,
+        torch.float32,
+        torch.device("cuda"),
     )
     graphs.capture()
     assert sorted(graphs.graphs) == list(range(1, MAX_REQS + 1))
-    for n in (MAX_REQS, 1, 3):
+    for n in (MAX_REQS, 1, 3, 3):
+        ring.np[:] = torch.randint(0, 1000, (MAX_REQS,), generator=gen).numpy()
+        ring.copy_to_uva()  # what the graph captured is current every other step only
         batch = _batch(persistent, n)
         batch.logits_indices = batch.logits_indices.cuda()
         batch.cu_num_logits = batch.cu_num_logits.cuda()
@@ -240,6 +281,7 @@ def test_captured_graphs_replay_what_the_launch_computes_eagerly() -> None:
             batch.logits_indices,
             batch.cu_num_logits,
             batch.idx_mapping,
+            ring.gpu,
         )
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w)

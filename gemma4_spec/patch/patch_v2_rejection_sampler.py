@@ -133,8 +133,21 @@ def verified_output(
         input_batch.logits_indices,
         input_batch.cu_num_logits,
         input_batch.idx_mapping,
+        *request_arrays(rejection_sampler),
     )
     return sampler_output(module, rejection_sampler, *tokens, num_nans)
+
+
+def request_arrays(rejection_sampler: Any) -> tuple[Any, ...]:
+    """The per-request arrays ``verify_rows`` reads besides the step's, as vLLM holds them
+    now: the prefill lengths, and the seeds where acceptance is synthetic. V2 keeps both in
+    ``UvaBackedTensor`` rings whose ``.gpu`` moves to another buffer at every update, so they
+    are looked up at each use (a CUDA graph must copy them in, not bake in a pointer)."""
+    sampler = rejection_sampler.sampler
+    arrays = (sampler.req_states.prefill_len.gpu,)
+    if rejection_sampler.synthetic_conditional_rates is not None:
+        arrays += (sampler.sampling_states.seeds.gpu,)
+    return arrays
 
 
 def verify_rows(
@@ -147,28 +160,29 @@ def verify_rows(
     logits_indices: Any,
     cu_num_logits: Any,
     idx_mapping: Any,
+    prefill_len: Any,
+    seeds: Any = None,
 ) -> tuple[Any, Any, Any]:
     """(sampled tokens ``[R, k + 1]``, sampled counts, rejected counts) of a greedy batch from
     each logits row's greedy token ``best``: our verification kernel (with the sampler's
-    synthetic acceptance, if it has one), then V2's count correction for prompt chunks. The
-    step's tensors are passed one by one: ``spec_decode/verify_graphs.py`` launches this over
-    its own copies of the index arrays."""
+    synthetic acceptance, if it has one, drawn from ``seeds``), then V2's count correction for
+    prompt chunks (``prefill_len``). Every tensor is passed in (``request_arrays`` gives the
+    last two): ``spec_decode/verify_graphs.py`` launches this over its own copies."""
     from gemma4_spec.ops.greedy_verify import SyntheticAcceptance, greedy_verify_rows
 
     rs = rejection_sampler
     synthetic = None
     if rs.synthetic_conditional_rates is not None:
+        if seeds is None:
+            raise ValueError("synthetic acceptance draws from the requests' seeds: pass them")
         synthetic = SyntheticAcceptance(
-            rs.synthetic_conditional_rates,
-            rs.sampler.sampling_states.seeds.gpu,
-            idx_mapping,
-            positions,
+            rs.synthetic_conditional_rates, seeds, idx_mapping, positions
         )
     sampled, num_sampled = greedy_verify_rows(
         best, input_ids, logits_indices, cu_num_logits, rs.num_speculative_steps + 1, synthetic
     )
     num_sampled, num_rejected = module.get_num_sampled_and_rejected(
-        num_sampled, seq_lens, cu_num_logits, idx_mapping, rs.sampler.req_states.prefill_len.gpu
+        num_sampled, seq_lens, cu_num_logits, idx_mapping, prefill_len
     )
     return sampled, num_sampled, num_rejected
 

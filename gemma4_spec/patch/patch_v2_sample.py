@@ -40,6 +40,7 @@ from gemma4_spec.patch.patch_v2_rejection_sampler import (
     V2_REJECTION_SAMPLER_MODULE,
     VERIFY_GREEDY_TOKENS,
     greedy_verify_applies,
+    request_arrays,
     sampler_output,
     verify_rows,
 )
@@ -179,7 +180,8 @@ def build_verify_graphs(runner: Any, head: CappedHead | None) -> Any:
     """The runner's ``VerifyGraphs`` (not yet captured): ``greedy_tokens`` and
     ``patch_v2_rejection_sampler.verify_rows``, as the eager path runs them (``head``: the
     logits without the cap, where the target has one and the switch allows), over the runner's
-    persistent input buffers."""
+    persistent input buffers and copies of the sampler's per-request arrays
+    (``patch_v2_rejection_sampler.request_arrays``)."""
     import importlib
 
     from gemma4_spec.spec_decode.verify_graphs import Persistent, VerifyGraphs
@@ -189,7 +191,9 @@ def build_verify_graphs(runner: Any, head: CappedHead | None) -> Any:
     buffers = runner.input_buffers
     persistent = Persistent(buffers.input_ids, buffers.positions, buffers.seq_lens)
 
-    def verify(rows: Any, width: int, logits_indices: Any, cu_num_logits: Any, idx: Any) -> Any:
+    def verify(
+        rows: Any, width: int, logits_indices: Any, cu_num_logits: Any, idx: Any, *arrays: Any
+    ) -> Any:
         del width  # the sampler's own k + 1
         return verify_rows(
             module,
@@ -201,12 +205,14 @@ def build_verify_graphs(runner: Any, head: CappedHead | None) -> Any:
             logits_indices,
             cu_num_logits,
             idx,
+            *arrays,
         )
 
     width = rs.num_speculative_steps + 1
     return VerifyGraphs(
         verify,
         persistent,
+        lambda: request_arrays(rs),
         max_reqs=min(runner.max_num_reqs, MAX_GRAPHED_ROWS // width),
         width=width,
         uncapped=head is not None,

@@ -16,7 +16,10 @@ verification after its prefill, a batch with a request short of drafts) run the 
 The batch must pass the same gate as the eager greedy path (greedy requests, nothing that
 changes the logits, no grammar); the graph computes what that path computes, from the same
 kernels, so its tokens are the eager path's (the GPU engine test compares both with plain
-decoding). Graphs are captured for ``n`` from 1 to ``max_num_reqs`` (at most
+decoding). The per-request arrays the verification reads (prefill lengths; seeds for synthetic
+acceptance) live in vLLM's rings of host-mapped buffers, whose current buffer changes at every
+update: a step copies the current ones into the graph's own. Graphs are captured for ``n``
+from 1 to ``max_num_reqs`` (at most
 ``MAX_GRAPHED_ROWS`` rows) at start-up, in one memory pool (the logits of the largest batch are
 the largest allocation, and the graphs share it), so nothing is captured in a request's path.
 On CUDA, one GPU (no tensor or pipeline parallelism), no LoRA, V2;
@@ -25,6 +28,7 @@ On CUDA, one GPU (no tensor or pipeline parallelism), no LoRA, V2;
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,15 +75,19 @@ class Captured:
 class VerifyGraphs:
     """The graphs of one runner, by number of requests.
 
-    ``verify(rows, width, logits_indices, cu_num_logits, idx_mapping)`` is the verification
-    itself, launched over the graph's input tensors (``rows`` the gathered hidden states): it
-    returns the sampled tokens ``[n, width]`` and each request's sampled and rejected counts.
+    ``verify(rows, width, logits_indices, cu_num_logits, idx_mapping, *arrays)`` is the
+    verification itself, launched over the graph's input tensors (``rows`` the gathered hidden
+    states, ``arrays`` copies of what ``request_arrays()`` returns): it returns the sampled
+    tokens ``[n, width]`` and each request's sampled and rejected counts.
+    ``request_arrays()`` gives the per-request arrays (indexed by request state) as vLLM holds
+    them now; they may be other tensors at every call, so ``run`` copies them in.
     """
 
     def __init__(
         self,
         verify: Any,
         persistent: Persistent,
+        request_arrays: Callable[[], tuple[torch.Tensor, ...]],
         max_reqs: int,
         width: int,
         uncapped: bool,
@@ -89,6 +97,8 @@ class VerifyGraphs:
     ) -> None:
         self.verify = verify
         self.persistent = persistent
+        self.request_arrays = request_arrays
+        self.arrays = tuple(torch.zeros_like(a, device=device) for a in request_arrays())
         self.max_reqs = max_reqs
         self.width = width
         self.uncapped = uncapped  # whether ``verify`` computes the logits without the soft-cap
@@ -108,6 +118,7 @@ class VerifyGraphs:
             self.logits_indices[:rows],
             self.cu_num_logits[: n + 1],
             self.idx_mapping[:n],
+            *self.arrays,
         )
 
     def capture(self) -> None:
@@ -152,6 +163,8 @@ class VerifyGraphs:
         self.logits_indices[:rows].copy_(indices)
         self.cu_num_logits[: n + 1].copy_(input_batch.cu_num_logits)
         self.idx_mapping[:n].copy_(input_batch.idx_mapping)
+        for mine, current in zip(self.arrays, self.request_arrays(), strict=True):
+            mine.copy_(current)
         captured.graph.replay()
         self.replays += 1
         # Copies: the step's output is read on vLLM's copy stream while the next step runs,
