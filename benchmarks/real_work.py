@@ -816,6 +816,35 @@ def print_tables(saved: dict[str, Any]) -> None:
                     same += sum(x == y for x, y in pairs)
                     total += len(ours["token_ids"])
             print(f"  {name:24} {same} / {total}")
+    if not temperature:
+        _print_repeats(results, batches)
+
+
+def _print_repeats(results: dict[str, Any], batches: list[str]) -> None:
+    """Greedy engines that recorded their tokens: each round's requests against the same
+    engine's first pass. An engine repeats the same batch of greedy requests token for token
+    (bf16 too: the same kernels over the same batches), so a request that differs says state
+    of an earlier request reached it (the eleventh H200 session's V2 verification graphs)."""
+    rows = []
+    for name, result in results.items():
+        same = total = 0
+        for b in batches:
+            runs = result["runs"][b]
+            if not runs or "token_ids" not in runs[0]:
+                break
+            for later in runs[1:]:
+                pairs = zip(later["token_ids"], runs[0]["token_ids"], strict=True)
+                same += sum(x == y for x, y in pairs)
+                total += len(later["token_ids"])
+        else:
+            if total:
+                rows.append(f"  {name:24} {same} / {total}" + ("" if same == total else "  DIFFER"))
+    if rows:
+        print(
+            "\ngreedy tokens equal to the engine's own first pass "
+            "(requests equal / all, later rounds)"
+        )
+        print("\n".join(rows))
 
 
 def _print_host(results: dict[str, Any], batches: list[str]) -> None:

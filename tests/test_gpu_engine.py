@@ -65,6 +65,9 @@ def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
 
 # Synthetic acceptance (vLLM's benchmark mode): unconditional rates by draft position.
 SYNTHETIC_RATES = [0.9, 0.6, 0.3]
+# The prompts again, as four successive batches in alternating order: each batch's requests
+# take the request slots the last one left, at other prompt lengths.
+AGAIN_ORDER = [*range(5), *range(4, -1, -1), *range(5), *range(4, -1, -1)]
 
 
 def _configs(pairs, v2: bool = False) -> dict[str, RunConfig]:  # type: ignore[no-untyped-def]
@@ -86,6 +89,10 @@ def _configs(pairs, v2: bool = False) -> dict[str, RunConfig]:  # type: ignore[n
                 **ours,
                 request_batches=batches,
                 speculative_options={"num_speculative_tokens_per_batch_size": schedule},
+            )
+            again = [prompts[i] for i in AGAIN_ORDER]
+            configs["tiny-ours-again"] = RunConfig(
+                **dict(ours, prompts=again), request_batches=[len(prompts)] * 4
             )
             if v2:  # our greedy verification draws synthetic acceptance as V2 does
                 synthetic = {
@@ -264,6 +271,23 @@ def test_dynamic_speculation_length(request, runner: str) -> None:  # type: igno
     metrics = ours.spec_metrics
     drafts = metrics["vllm:spec_decode_num_drafts"]
     assert drafts < metrics["vllm:spec_decode_num_draft_tokens"] < 3 * drafts  # both k ran
+
+
+@on_gpu
+@pytest.mark.parametrize("runner", ["V1", "V2"])
+def test_lossless_as_requests_come_and_go(request, runner: str) -> None:  # type: ignore[no-untyped-def]
+    # Batches one after another in one engine: each request takes a slot (V2's request state
+    # index, its KV blocks) that an earlier request of another length left. Nothing of the
+    # earlier one may reach it. On the H200 (eleventh session) V2's verification graphs read
+    # the prefill lengths through a pointer baked in at capture, one buffer of a ring V2
+    # rotates at every update: from an engine's second batch on, requests shorter than their
+    # slot's earlier occupant lost verified tokens, and the output left plain decoding's.
+    results = request.getfixturevalue("runs" if runner == "V1" else "v2_runs")
+    plain, ours = results["tiny-plain"], results["tiny-ours-again"]
+    assert ours.token_ids == [plain.token_ids[i] for i in AGAIN_ORDER]
+    assert ours.spec_metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+    if runner == "V2":
+        assert ours.greedy_verify_graphed > 0
 
 
 @on_gpu

@@ -120,6 +120,22 @@ def test_tables_of_a_saved_run(tmp_path: Path) -> None:
     assert "1.14x (1.14 - 1.15)" in line
 
 
+def test_tables_flag_an_engine_whose_greedy_tokens_change_between_rounds(tmp_path: Path) -> None:
+    ours = _runs([115, 230, 250], 3.3)
+    ours[2]["token_ids"] = [[1, 2], [4]]  # the third round's second request left the first's
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {
+            "in-tree k=3 real": {"startup_s": 40, "runs": {"1": _runs([190, 200, 220], 3.3)}},
+            "ours-V2 k=3 real": {"startup_s": 50, "runs": {"1": ours}},
+        },
+    }
+    repeats = _tables(saved, tmp_path).split("engine's own first pass")[1]
+    assert "in-tree k=3 real         4 / 4\n" in repeats
+    assert "ours-V2 k=3 real         3 / 4  DIFFER" in repeats
+
+
 def test_first_pass_profile_lists_a_pass_compiles_beside_the_start_ups(
     capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
