@@ -145,13 +145,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_GRAPHED_VERIFY": "0"},
         "spec": {},
     },
-    # Opt-in, not yet measured: every captured FULL graph launched once at start-up
-    # (patch/patch_v2_warmup.py, GEMMA4_SPEC_PRELAUNCH_GRAPHS=1): what it changes in a first
-    # pass.
-    "ours-V2-prelaunch": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_PRELAUNCH_GRAPHS": "1"},
-        "spec": {},
-    },
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):
     # what it changes in a first pass.
     "ours-V2-nowarm": {

@@ -499,50 +499,6 @@ def test_gemm_shapes_of_a_first_request_are_warmed_when_asked(
     assert all(kw == {"skip_eplb": True, "remove_lora": False} for _, kw in runner.forwards)
 
 
-class _Graph:
-    def __init__(self) -> None:
-        self.replays = 0
-
-    def replay(self) -> None:
-        self.replays += 1
-
-
-@pytest.mark.parametrize(
-    ("method", "env", "launches"),
-    [
-        ("gemma4_mtp", "1", 1),
-        ("gemma4_mtp", None, 0),  # opt-in: off unless GEMMA4_SPEC_PRELAUNCH_GRAPHS=1
-        ("eagle", "1", 0),
-    ],
-)
-def test_captured_graphs_are_launched_once_at_start_up_when_asked(
-    set_env: Callable[[str, str | None], None],
-    monkeypatch: pytest.MonkeyPatch,
-    method: str,
-    env: str | None,
-    launches: int,
-) -> None:
-    from types import SimpleNamespace
-
-    import torch
-
-    set_env(patch_v2_warmup.PREFILL_WARMUP_ENV, "0")
-    set_env(patch_v2_warmup.PRELAUNCH_GRAPHS_ENV, env)
-    synced: list[bool] = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(True))
-    target, draft = [_Graph(), _Graph()], [_Graph()]
-    runner = _ShapeRunner(method)
-    runner.cudagraph_manager = SimpleNamespace(graphs=dict(enumerate(target)))  # type: ignore[attr-defined]
-    runner.speculator = SimpleNamespace(  # type: ignore[attr-defined]
-        decode_cudagraph_manager=SimpleNamespace(graphs={"loop": draft[0]})
-    )
-    _patched_worker_module([]).warmup_kernels(runner, "execute", "sample")
-    assert [g.replays for g in target + draft] == [launches] * 3
-    assert synced == ([True] if launches else [])
-    runner.speculator = None  # plain decoding's runner: the target's graphs alone
-    assert patch_v2_warmup.prelaunch_graphs(runner) == 2
-
-
 @pytest.mark.parametrize(
     ("largest", "limit", "sizes"),
     [

@@ -29,16 +29,6 @@ growth of a first pass at B = 16 / 32 in those GEMMs' own host time, with nothin
 captured or allocated (``benchmarks/results/h200``). The warm-up computes the logits of every
 row count once, and runs vLLM's own dummy forward (the call its worker makes for compile
 sizes) at each power of two from the largest captured size to ``max_num_batched_tokens``.
-
-Opt-in, not yet measured (``GEMMA4_SPEC_PRELAUNCH_GRAPHS=1``): every FULL CUDA graph vLLM
-captured for the target, and every draft-loop graph, launched once at the end of start-up. CUDA
-uploads a graph to the device at its first launch; vLLM's warm-up launches only the sizes of its
-own dummy batches, so a first pass at another batch size (and each smaller size a batch passes
-through as its requests finish) pays the upload of its graphs in a user's request. The E2B
-first passes at B = 16 / 32 ran at 0.87 / 0.88 of the steady state with the extra time in
-``execute_model`` (``benchmarks/results/h200``, 5009256). Replayed at start-up, before any
-request, the graphs read the warm-up's leftover inputs and write only buffers a request
-rewrites before reading (the KV cache of blocks no request holds, staging buffers).
 """
 
 from __future__ import annotations
@@ -60,7 +50,6 @@ PREFILL_WARMUP_ENV = "GEMMA4_SPEC_PREFILL_WARMUP"
 # of 16, a multiple of 16).
 WARM_REQUEST_COUNTS = (1, 2, 16)
 SHAPE_WARMUP_ENV = "GEMMA4_SPEC_SHAPE_WARMUP"
-PRELAUNCH_GRAPHS_ENV = "GEMMA4_SPEC_PRELAUNCH_GRAPHS"
 
 
 def apply(worker_module: ModuleType) -> None:
@@ -84,31 +73,8 @@ def apply(worker_module: ModuleType) -> None:
                     original(model_runner, worker_execute_model, worker_sample_tokens)
         if turned_on(SHAPE_WARMUP_ENV):
             warm_gemm_shapes(model_runner)
-        if turned_on(PRELAUNCH_GRAPHS_ENV):
-            prelaunch_graphs(model_runner)
 
     worker_module.warmup_kernels = ours(warmup_kernels)
-
-
-def prelaunch_graphs(model_runner: Any) -> int:
-    """Launch once every FULL graph of the target's and the speculator's CUDA-graph managers
-    (see the module's docstring); returns how many."""
-    import torch
-
-    speculator = getattr(model_runner, "speculator", None)
-    managers = (
-        getattr(model_runner, "cudagraph_manager", None),
-        getattr(speculator, "decode_cudagraph_manager", None),
-    )
-    launched = 0
-    with torch.inference_mode():
-        for manager in managers:
-            for graph in getattr(manager, "graphs", {}).values():
-                graph.replay()
-                launched += 1
-    if launched:
-        torch.cuda.synchronize()
-    return launched
 
 
 def warm_gemm_shapes(model_runner: Any) -> None:
