@@ -88,9 +88,17 @@ class EngineTurns:
     def _running(self) -> list[tuple[int, str, subprocess.Popen[bytes]]]:
         return [(i, n, p) for i, (n, p) in enumerate(self._procs) if i not in self._dropped]
 
-    def take_turns(self, rounds: int) -> None:
+    def take_turns(self, rounds: int, reverse_every: int = 0) -> None:
+        """``rounds`` turns, each engine in start order; with ``reverse_every`` = n, turns
+        n to 2n - 1, 3n to 4n - 1, ... go in reverse order, so that over an even number of
+        such blocks each engine is timed as often right after each other engine as before it
+        (a drift of the host inside a turn, or an engine that warms or cools the host for the
+        next, then weighs on every engine alike)."""
         for rnd in range(rounds):
-            for i, _, proc in self._running():
+            running = self._running()
+            if reverse_every and (rnd // reverse_every) % 2:
+                running.reverse()
+            for i, _, proc in running:
                 (self.control / f"{i}.go{rnd}").touch()
                 while not (self.control / f"{i}.done{rnd}").exists():
                     if proc.poll() is not None:

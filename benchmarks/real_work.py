@@ -3,7 +3,8 @@
 What a user feels, side by side in one run: every configuration is its own engine process
 (``VLLM_PLUGINS`` picks ours or the in-tree one; each on the model runner it picks by default,
 and ours also on Model Runner V2), started together, then timed in rounds, each batch size of
-a round in turn from engine to engine. Round 0 is the **first pass** at each batch size, right
+a round in turn from engine to engine (in reverse order every other round). Round 0 is the
+**first pass** at each batch size, right
 after start-up with no warm-up (anything captured or compiled lazily shows there); the later
 rounds are the steady state.
 
@@ -690,8 +691,10 @@ def main() -> int:
     ready = len(configs) - len(turns.not_started)
     print(f"{ready} engines ready after {time.perf_counter() - started:.0f} s", flush=True)
     # A turn is one batch size of one round: each engine's cell is timed seconds from the
-    # others' same cell, so the host's drift hits them alike.
-    turns.take_turns(args.rounds * len(args.batch.split(",")))
+    # others' same cell, so the host's drift hits them alike. Every other round runs the
+    # engines in reverse order: no engine is always timed first.
+    sizes = len(args.batch.split(","))
+    turns.take_turns(args.rounds * sizes, reverse_every=sizes)
     results = turns.results()
     saved = {
         "pair": args.pair,

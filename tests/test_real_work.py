@@ -342,6 +342,30 @@ def test_engine_turns_leave_out_an_engine_that_does_not_start(tmp_path: Path) ->
     assert turns.results() == {"ours": {"runs": {}}}
 
 
+def test_engine_turns_reverse_the_order_every_other_round(tmp_path: Path) -> None:
+    from engine_turns import EngineTurns
+
+    script = tmp_path / "engine.py"  # ready; each turn appends its index to a shared log
+    script.write_text(
+        "import sys, pathlib, time\n"
+        "a = sys.argv; i = a[a.index('--index') + 1]\n"
+        "c = pathlib.Path(a[a.index('--control') + 1])\n"
+        "(c / f'{i}.ready').touch()\n"
+        "for t in range(4):\n"
+        "    while not (c / f'{i}.go{t}').exists(): time.sleep(0.01)\n"
+        "    with open(c.parent / 'order.txt', 'a') as f: f.write(i)\n"
+        "    (c / f'{i}.done{t}').touch()\n"
+        "pathlib.Path(a[a.index('--out') + 1]).write_text('{}')\n"
+    )
+    turns = EngineTurns(tmp_path / "control")
+    for name in ("plain", "in-tree", "ours"):
+        turns.start(name, str(script), [], dict(os.environ))
+    turns.wait_ready(60)
+    turns.take_turns(4, reverse_every=2)  # two rounds of two batch sizes
+    turns.results()
+    assert (tmp_path / "order.txt").read_text() == "012012210210"
+
+
 def test_kv_cache_sized_for_the_largest_batch(tmp_path: Path) -> None:
     # 31B's shape: 50 sliding layers of 16 KV heads x 256, 10 full ones of 4 x 512, K and V
     # in bf16; 1 GiB holds ~1190 tokens of it, not 32 requests of 128 + 128 + 4.
