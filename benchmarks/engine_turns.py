@@ -8,6 +8,7 @@ results to ``i.json``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -49,6 +50,9 @@ class EngineTurns:
         # name -> the exception lines of their output. They take no turns and have no results.
         self.not_started: dict[str, list[str]] = {}
         self._dropped: set[int] = set()
+        # One entry a turn of an engine: its name, the turn's wall seconds, and the CPU
+        # seconds the other engines' process trees used meanwhile (they should be idle).
+        self.turn_log: list[dict[str, Any]] = []
 
     def start(self, name: str, script: str, args: list[str], env: dict[str, str]) -> None:
         """Start the next engine, ``i``: ``script --worker --control C --index i --out C/i.json``
@@ -98,12 +102,18 @@ class EngineTurns:
             running = self._running()
             if reverse_every and (rnd // reverse_every) % 2:
                 running.reverse()
-            for i, _, proc in running:
+            for i, name, proc in running:
+                others = [other.pid for j, _, other in running if j != i]
+                before = sum(tree_cpu_seconds(pid) for pid in others)
+                started = time.perf_counter()
                 (self.control / f"{i}.go{rnd}").touch()
                 while not (self.control / f"{i}.done{rnd}").exists():
                     if proc.poll() is not None:
                         self._fail(i, "failed")
                     time.sleep(0.02)
+                wall = time.perf_counter() - started
+                idle = sum(tree_cpu_seconds(pid) for pid in others) - before
+                self.turn_log.append({"engine": name, "wall_s": wall, "others_cpu_s": idle})
 
     def results(self) -> dict[str, Any]:
         """Each engine's results, by name, once they have all exited."""
@@ -113,6 +123,30 @@ class EngineTurns:
                 self._fail(i, "failed")
             results[name] = json.loads((self.control / f"{i}.json").read_text())
         return results
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process descended from it (Linux ``/proc``)."""
+    tree, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        tree.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo.extend(int(child) for child in task.read_text().split())
+    return tree
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """The user and system CPU seconds ``pid``'s process tree has used so far, every thread
+    of it (Linux ``/proc``; processes that have ended are not counted)."""
+    ticks = 0
+    for member in process_tree(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # After the command's closing parenthesis, utime and stime are the 12th and 13th.
+            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def worker_ready(control: Path, index: int) -> None:

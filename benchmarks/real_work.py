@@ -55,7 +55,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_turns import EngineTurns, engine_env, turn_done, wait_turn, worker_ready  # noqa: E402
+from engine_turns import (  # noqa: E402
+    EngineTurns,
+    engine_env,
+    process_tree,
+    turn_done,
+    wait_turn,
+    worker_ready,
+)
 
 PROFILES = {"field": [0.85, 0.70, 0.55], "poor": [0.5, 0.25, 0.1]}
 REAL, ZERO = "real", "zero"  # the trained pair's own acceptance; standard verification
@@ -364,18 +371,6 @@ def core_shares(cores: list[int], engines: int) -> list[list[int]]:
         shares.append(cores[start:end])
         start = end
     return shares
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every process descended from it (Linux ``/proc``)."""
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        for task in Path(f"/proc/{current}/task").glob("*/children"):
-            with contextlib.suppress(OSError):
-                todo.extend(int(child) for child in task.read_text().split())
-    return tree
 
 
 def move_threads(cores: set[int]) -> int:
@@ -708,6 +703,7 @@ def main() -> int:
         "measure_cores": args.measure_cores,
         "results": results,
         "not_started": turns.not_started,
+        "turns": turns.turn_log,
     }
     if args.json:
         Path(args.json).write_text(json.dumps(saved, indent=1))
@@ -782,6 +778,7 @@ def print_tables(saved: dict[str, Any]) -> None:
             cells.append(f"{min(tps):7.0f} - {max(tps):7.0f}")
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
     _print_host(results, batches)
+    _print_idle_engines(saved.get("turns", []))
     paired = {name: other for name in results if (other := in_tree_of(name)) is not None}
     if paired:
         print(
@@ -841,6 +838,24 @@ def _print_repeats(results: dict[str, Any], batches: list[str]) -> None:
             "(requests equal / all, later rounds)"
         )
         print("\n".join(rows))
+
+
+def _print_idle_engines(turns: list[dict[str, Any]]) -> None:
+    """While each engine took its turns: the CPU seconds the engines waiting for theirs used,
+    per wall second of the turns (median and highest turn). Waiting engines should be idle; a
+    busy one takes CPU from the engine being timed, on shared cores above all (runs saved
+    before this was recorded print nothing)."""
+    if not turns:
+        return
+    print(
+        "\nengines waiting their turn: CPU s per wall s while each engine was timed (median, max)"
+    )
+    for name in dict.fromkeys(turn["engine"] for turn in turns):
+        rates = [
+            t["others_cpu_s"] / t["wall_s"] for t in turns if t["engine"] == name and t["wall_s"]
+        ]
+        if rates:
+            print(f"  {name:24} {statistics.median(rates):5.2f}  {max(rates):5.2f}")
 
 
 def _print_host(results: dict[str, Any], batches: list[str]) -> None:

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import real_work  # noqa: E402
+from engine_turns import process_tree  # noqa: E402
 
 
 def test_configurations_cover_every_profile_k_and_variant() -> None:
@@ -342,6 +343,52 @@ def test_engine_turns_leave_out_an_engine_that_does_not_start(tmp_path: Path) ->
     assert turns.results() == {"ours": {"runs": {}}}
 
 
+def test_engine_turns_record_what_the_waiting_engines_burn(tmp_path: Path) -> None:
+    from engine_turns import EngineTurns
+
+    def engine(busy: bool) -> str:  # ready; one turn of about half a second; a result
+        wait = "pass" if busy else "time.sleep(0.01)"
+        return (
+            "import sys, pathlib, time\n"
+            "a = sys.argv; i = a[a.index('--index') + 1]\n"
+            "c = pathlib.Path(a[a.index('--control') + 1])\n"
+            "(c / f'{i}.ready').touch()\n"
+            f"while not (c / f'{{i}}.go0').exists(): {wait}\n"
+            "time.sleep(0.5)\n"
+            "(c / f'{i}.done0').touch()\n"
+            "pathlib.Path(a[a.index('--out') + 1]).write_text('{}')\n"
+        )
+
+    quiet, spinning = tmp_path / "quiet.py", tmp_path / "spinning.py"
+    quiet.write_text(engine(busy=False))
+    spinning.write_text(engine(busy=True))
+    turns = EngineTurns(tmp_path / "control")
+    turns.start("quiet", str(quiet), [], dict(os.environ))
+    turns.start("spinning", str(spinning), [], dict(os.environ))
+    turns.wait_ready(60)
+    turns.take_turns(1)
+    turns.results()
+    first, second = turns.turn_log
+    # While the quiet engine took its turn, the other spun on its go file: about a CPU.
+    assert first["engine"] == "quiet" and first["others_cpu_s"] > 0.3 * first["wall_s"]
+    assert second["engine"] == "spinning" and second["others_cpu_s"] < 0.2 * second["wall_s"]
+
+
+def test_tables_show_what_waiting_engines_burn(tmp_path: Path) -> None:
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {"plain": {"startup_s": 30, "runs": {"1": _runs([50, 100, 100], None)}}},
+        "turns": [
+            {"engine": "plain", "wall_s": 2.0, "others_cpu_s": 0.2},
+            {"engine": "plain", "wall_s": 1.0, "others_cpu_s": 0.5},
+            {"engine": "plain", "wall_s": 1.0, "others_cpu_s": 0.0},
+        ],
+    }
+    idle = _tables(saved, tmp_path).split("engines waiting their turn")[1]
+    assert "  plain                     0.10   0.50" in idle
+
+
 def test_engine_turns_reverse_the_order_every_other_round(tmp_path: Path) -> None:
     from engine_turns import EngineTurns
 
@@ -467,7 +514,7 @@ def test_moving_threads_moves_every_thread_of_the_process_tree() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         time.sleep(0.2)  # the child's /proc entry
-        assert child.pid in real_work.process_tree(os.getpid())
+        assert child.pid in process_tree(os.getpid())
         moved = real_work.move_threads({cores[-1]})
         assert moved >= 3  # this thread, the waiting one, the child's
         assert os.sched_getaffinity(child.pid) == {cores[-1]}
