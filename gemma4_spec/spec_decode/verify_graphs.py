@@ -164,7 +164,7 @@ class VerifyGraphs:
         self.cu_num_logits[: n + 1].copy_(input_batch.cu_num_logits)
         self.idx_mapping[:n].copy_(input_batch.idx_mapping)
         for mine, current in zip(self.arrays, self.request_arrays(), strict=True):
-            mine.copy_(current)
+            mine[: current.shape[0]].copy_(current)  # vLLM may hand a prefix of its buffer
         captured.graph.replay()
         self.replays += 1
         # Copies: the step's output is read on vLLM's copy stream while the next step runs,
