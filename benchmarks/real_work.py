@@ -802,12 +802,8 @@ def print_tables(saved: dict[str, Any]) -> None:
     if saved["pair"] == "trained" and not temperature and has_tokens:  # bf16 near-ties differ
         print("\ngreedy tokens equal to plain's (requests equal / all, over every round)")
         for name, result in results.items():
-            same = total = 0
-            for b in batches:
-                for ours, base in zip(result["runs"][b], plain[b], strict=False):
-                    pairs = zip(ours["token_ids"], base["token_ids"], strict=True)
-                    same += sum(x == y for x, y in pairs)
-                    total += len(ours["token_ids"])
+            passes = [p for b in batches for p in zip(result["runs"][b], plain[b], strict=False)]
+            same, total = _equal_requests(passes)
             print(f"  {name:24} {same} / {total}")
     if not temperature:
         _print_repeats(results, batches)
@@ -820,24 +816,29 @@ def _print_repeats(results: dict[str, Any], batches: list[str]) -> None:
     of an earlier request reached it (the eleventh H200 session's V2 verification graphs)."""
     rows = []
     for name, result in results.items():
-        same = total = 0
-        for b in batches:
-            runs = result["runs"][b]
-            if not runs or "token_ids" not in runs[0]:
-                break
-            for later in runs[1:]:
-                pairs = zip(later["token_ids"], runs[0]["token_ids"], strict=True)
-                same += sum(x == y for x, y in pairs)
-                total += len(later["token_ids"])
-        else:
-            if total:
-                rows.append(f"  {name:24} {same} / {total}" + ("" if same == total else "  DIFFER"))
+        cells = [result["runs"][b] for b in batches]
+        if not all(runs and "token_ids" in runs[0] for runs in cells):
+            continue
+        same, total = _equal_requests([(later, runs[0]) for runs in cells for later in runs[1:]])
+        if total:
+            rows.append(f"  {name:24} {same} / {total}" + ("" if same == total else "  DIFFER"))
     if rows:
         print(
             "\ngreedy tokens equal to the engine's own first pass "
             "(requests equal / all, later rounds)"
         )
         print("\n".join(rows))
+
+
+def _equal_requests(passes: list[tuple[dict[str, Any], dict[str, Any]]]) -> tuple[int, int]:
+    """Over (pass, the pass it is held to) pairs of the same requests: how many requests gave
+    the same tokens in both, and how many there were."""
+    same = total = 0
+    for run, base in passes:
+        pairs = zip(run["token_ids"], base["token_ids"], strict=True)
+        same += sum(x == y for x, y in pairs)
+        total += len(run["token_ids"])
+    return same, total
 
 
 def _print_idle_engines(turns: list[dict[str, Any]]) -> None:
