@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import lzma
 import os
 import random
 import statistics
@@ -587,7 +588,12 @@ def main() -> int:
         "scheduler, runner, speculator, output processing; about a microsecond a call); "
         "with the engine core in process",
     )
-    parser.add_argument("--table", default=None, help="print the tables of a saved --json, only")
+    parser.add_argument(
+        "--table",
+        default=None,
+        help="print the tables of a saved --json, only (.json, or .json.xz as the large runs "
+        "are kept in benchmarks/results)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
@@ -596,7 +602,7 @@ def main() -> int:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.table:
-        print_tables(json.loads(Path(args.table).read_text()))
+        print_tables(_load_saved(Path(args.table)))
         return 0
     if args.worker:
         _worker(args)
@@ -709,6 +715,13 @@ def main() -> int:
         Path(args.json).write_text(json.dumps(saved, indent=1))
     print_tables(saved)
     return 0
+
+
+def _load_saved(path: Path) -> dict[str, Any]:
+    """A saved run, plain or xz-compressed (a trained pair's run keeps every request's tokens of
+    every round: megabytes of JSON that compress about tenfold)."""
+    raw = lzma.decompress(path.read_bytes()) if path.suffix == ".xz" else path.read_bytes()
+    return json.loads(raw)
 
 
 def print_tables(saved: dict[str, Any]) -> None:

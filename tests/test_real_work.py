@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import subprocess
 import sys
@@ -78,10 +79,11 @@ def test_tables_without_plain(tmp_path: Path) -> None:
     assert ours.split()[4:7] == ["240", "-", "1.14x"]  # no plain; median 240 over in-tree's 210
 
 
-def _tables(saved: dict, tmp_path: Path) -> str:
-    """What ``real_work.py --table`` prints for ``saved``."""
-    path = tmp_path / "run.json"
-    path.write_text(json.dumps(saved))
+def _tables(saved: dict, tmp_path: Path, xz: bool = False) -> str:
+    """What ``real_work.py --table`` prints for ``saved`` (kept as ``.json.xz`` if ``xz``)."""
+    raw = json.dumps(saved).encode()
+    path = tmp_path / ("run.json.xz" if xz else "run.json")
+    path.write_bytes(lzma.compress(raw) if xz else raw)
     return subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "real_work.py"), "--table", str(path)],
         capture_output=True,
@@ -119,6 +121,19 @@ def test_tables_of_a_saved_run(tmp_path: Path) -> None:
     paired = out.split("steady rounds paired")[1].split("\ntargets:")[0].splitlines()
     (line,) = [row for row in paired if row.startswith("ours-V1 k=3 real")]
     assert "1.14x (1.14 - 1.15)" in line
+
+
+def test_tables_of_a_compressed_run(tmp_path: Path) -> None:
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {
+            "plain": {"startup_s": 30, "runs": {"1": _runs([50, 100, 100], None)}},
+            "ours-V2 k=3 real": {"startup_s": 50, "runs": {"1": _runs([115, 230, 250], 3.3)}},
+        },
+    }
+    assert _tables(saved, tmp_path, xz=True) == _tables(saved, tmp_path)
+    assert "240 2.40x" in _tables(saved, tmp_path, xz=True)
 
 
 def test_tables_flag_an_engine_whose_greedy_tokens_change_between_rounds(tmp_path: Path) -> None:
