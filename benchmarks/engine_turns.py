@@ -17,6 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+# vLLM's switch for where an engine's core runs: "0" in the front end's process, "1" in its own.
+CORE_IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
 
 def engine_env(
     overrides: dict[str, str], cache_root: Path, core_in_process: bool = True
@@ -33,7 +36,7 @@ def engine_env(
         env.pop("VLLM_PLUGINS", None)
     env["VLLM_CACHE_ROOT"] = str(cache_root)
     env["TRITON_CACHE_DIR"] = str(cache_root / "triton")
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if core_in_process else "1"
+    env[CORE_IN_PROCESS_ENV] = "0" if core_in_process else "1"
     return env
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import pstats
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import cprofile_rows  # noqa: E402
 import real_work  # noqa: E402
+from lazy_work import GcPauses, device_allocations  # noqa: E402
 
 from gemma4_spec.testing.engine_run import watch_triton_compiles  # noqa: E402
 
@@ -69,42 +69,6 @@ def print_growth(first: cProfile.Profile, second: cProfile.Profile, top: int) ->
                 f"  {row[column] * 1e3:8.2f}  {a[func][0]:6.0f} / {calls:<6.0f} "
                 f"{cprofile_rows.label(func)}"
             )
-
-
-class GcPauses:
-    """Seconds and collections of Python's garbage collector, by generation, since ``reset``."""
-
-    def __init__(self) -> None:
-        self.seconds = [0.0, 0.0, 0.0]
-        self.collections = [0, 0, 0]
-        self._started = 0.0
-        gc.callbacks.append(self._callback)
-
-    def reset(self) -> None:
-        self.seconds, self.collections = [0.0, 0.0, 0.0], [0, 0, 0]
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.seconds[info["generation"]] += time.perf_counter() - self._started
-            self.collections[info["generation"]] += 1
-
-    def __str__(self) -> str:
-        return ", ".join(
-            f"gen{g} {n} x {s * 1e3:.1f} ms"
-            for g, (n, s) in enumerate(zip(self.collections, self.seconds, strict=True))
-        )
-
-
-def device_allocations() -> tuple[int, int]:
-    """The caching allocator's device allocations and frees so far (0, 0 without CUDA)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0, 0
-    stats = torch.cuda.memory_stats()
-    return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
 
 
 def main() -> int:

@@ -56,7 +56,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+import lazy_work  # noqa: E402
 from engine_turns import (  # noqa: E402
+    CORE_IN_PROCESS_ENV,
     EngineTurns,
     engine_env,
     process_tree,
@@ -311,7 +313,7 @@ def enter_variant(variant: str) -> dict[str, Any]:
     additions. Before anything imports vLLM."""
     chosen = {"env": PLAIN_ENV, "spec": {}} if variant == "plain" else VARIANTS[variant]
     os.environ.update(chosen["env"])
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault(CORE_IN_PROCESS_ENV, "0")
     return chosen["spec"]
 
 
@@ -456,6 +458,9 @@ def _worker(args: argparse.Namespace) -> None:
 
         host_scopes.install()
     faulthandler.cancel_dump_traceback_later()
+    # What each cell compiles, captures or allocates (the engine core's work, when it runs
+    # in this process): a first pass slower than the steady ones shows what it did more.
+    lazy = lazy_work.LazyWork() if os.environ.get(CORE_IN_PROCESS_ENV) == "0" else None
     capacity = kv_capacity_requests(llm, request_tokens(config["k"]))
     prompts = _prompts(args.pair, target, max(batches))
     # On Model Runner V2, greedy requests get a seed each, the same in every round and engine:
@@ -484,6 +489,7 @@ def _worker(args: argparse.Namespace) -> None:
             wait_turn(control, args.index, turn)
             before = spec_metrics(llm.get_metrics())
             scopes = host_scopes.snapshot() if args.scopes else {}
+            lazy_before = lazy.take() if lazy else None
             cpu = time.process_time()
             passes, walls = timed_passes(
                 lambda b=b: llm.generate(prompts[:b], params[:b], use_tqdm=False),
@@ -509,6 +515,8 @@ def _worker(args: argparse.Namespace) -> None:
                     else None,
                 }
             )
+            if lazy and lazy_before:
+                runs[str(b)][-1]["lazy"] = lazy.since(lazy_before)
             if args.scopes:
                 runs[str(b)][-1]["scopes"] = scopes_per_step(scopes, host_scopes.snapshot())
             if args.pair == "trained":  # compared with plain's in the tables
@@ -791,6 +799,7 @@ def print_tables(saved: dict[str, Any]) -> None:
             cells.append(f"{min(tps):7.0f} - {max(tps):7.0f}")
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
     _print_host(results, batches)
+    _print_first_passes(results, batches)
     _print_idle_engines(saved.get("turns", []))
     paired = {name: other for name in results if (other := in_tree_of(name)) is not None}
     if paired:
@@ -890,6 +899,39 @@ def _print_host(results: dict[str, Any], batches: list[str]) -> None:
             spread = statistics.median(max(r["pass_s"]) / min(r["pass_s"]) for r in steady)
             cells.append(f"{cpu:4.2f} | {spread:4.2f}")
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
+
+
+def _print_first_passes(results: dict[str, Any], batches: list[str]) -> None:
+    """Each first pass against the same engine's steady passes (one pass each, so a first
+    pass slower than the slowest of them is not the host's usual spread), and what the passes
+    did that start-up could have done (``lazy_work.py``; runs with the engine core in process
+    from when it was recorded)."""
+    first = next(iter(results.values()))["runs"][batches[0]]
+    if "pass_s" not in first[-1]:
+        return
+    print(
+        "\nfirst pass, ms: steady passes' median and slowest (slower first passes than any "
+        "steady one marked *); what it did that start-up could have"
+    )
+    for name, result in results.items():
+        print(f"  {name}")
+        for b in batches:
+            runs = result["runs"][b]
+            steady = [s for r in runs[1:] for s in r["pass_s"]]
+            took = runs[0]["pass_s"][0]
+            mark = "*" if took > max(steady) else " "
+            line = (
+                f"    B={b:<4}{took * 1e3:8.1f}{mark} ({statistics.median(steady) * 1e3:.1f}, "
+                f"{max(steady) * 1e3:.1f})"
+            )
+            if "lazy" in runs[0]:
+                line += f"  first: {lazy_work.describe(runs[0]['lazy'])}"
+                kernels = runs[0]["lazy"].get("triton_kernels", [])
+                if kernels:
+                    line += f" [{'; '.join(k.split('[', 1)[0] for k in kernels[:4])}]"
+                later = lazy_work.total([r["lazy"] for r in runs[1:] if "lazy" in r])
+                line += f"; steady cells: {lazy_work.describe(later)}"
+            print(line)
 
 
 def _print_scopes(results: dict[str, Any], batches: list[str]) -> None:

@@ -575,3 +575,67 @@ def test_scopes_per_engine_step_and_their_table(tmp_path: Path) -> None:
     assert f"B=1: {real_work.STEP_SCOPE} +8.700" in out.split("first pass minus steady")[1]
     saved["results"]["plain"]["runs"]["1"] = _runs([1, 2], None)  # no scopes: no table
     assert "host scopes per decode step" not in _tables(saved, tmp_path)
+
+
+def test_lazy_work_counts_what_happened_between_two_takes(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    import lazy_work
+    import torch
+
+    # Triton's hook slot, as ``triton.knobs`` has it (the CPU machines have no Triton), and a
+    # capture that does nothing (no CUDA here): what LazyWork wraps.
+    knobs = SimpleNamespace(runtime=SimpleNamespace(jit_cache_hook=None))
+    began: list[object] = []
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda g, *a, **k: began.append(g))
+    with monkeypatch.context() as installing:  # not while torch.compile runs below
+        installing.setitem(sys.modules, "triton", SimpleNamespace(knobs=knobs))
+        work = lazy_work.LazyWork()
+    knobs.runtime.jit_cache_hook(repr="before[num_warps=4](n: i32)")
+    before = work.take()
+    assert knobs.runtime.jit_cache_hook(repr="kernel_a[num_warps=4](n: i32D)") is False
+    torch.cuda.CUDAGraph.capture_begin("a graph")
+    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+    gc.collect()
+    done = work.since(before)
+    assert began == ["a graph"]
+    assert done["triton"] == 1 and done["triton_kernels"] == ["kernel_a[num_warps=4](n: i32D)"]
+    assert done["graph_captures"] == 1
+    assert done["dynamo_graphs"] == 1
+    assert done["device_allocs"] == 0  # no CUDA
+    assert done["gc_full"] == 1 and done["gc_s"] > 0
+    # And nothing since then.
+    assert lazy_work.describe(work.since(work.take())) == "nothing"
+    text = lazy_work.describe(lazy_work.total([done, done]))
+    assert text.startswith("Triton compiles 2, graph captures 2, Dynamo graphs 2, GC ")
+    gc.callbacks.remove(work.pauses._callback)
+
+
+def test_tables_show_a_first_pass_slower_than_every_steady_one_and_what_it_compiled(
+    tmp_path: Path,
+) -> None:
+    def cell(tokens_per_s: float, pass_s: list[float], lazy: dict) -> dict:
+        return {
+            "tokens_per_s": tokens_per_s,
+            "mean_accepted_length": 3.3,
+            "pass_s": pass_s,
+            "cpu_per_wall": 1.0,
+            "lazy": {"gc_s": 0.0, "gc_full": 0, "triton_kernels": [], **lazy},
+        }
+
+    compiled = {"triton": 1, "triton_kernels": ["_verify_rows_kernel[num_warps=4](n: i32)"]}
+    runs = [
+        cell(100, [0.30], compiled),
+        cell(200, [0.15, 0.16], {}),
+        cell(210, [0.14, 0.15], {"device_allocs": 2}),
+    ]
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {"ours-V2 k=3 real": {"startup_s": 50, "runs": {"16": runs}}},
+    }
+    out = _tables(saved, tmp_path).split("\nfirst pass, ms")[1]
+    line = next(row for row in out.splitlines() if "B=16" in row)
+    assert "300.0* (150.0, 160.0)" in line
+    assert "first: Triton compiles 1 [_verify_rows_kernel]" in line
+    assert line.endswith("steady cells: device allocations 2")

@@ -1,0 +1,136 @@
+"""Work a timed pass did that start-up could have done: Triton JIT compilations, CUDA graph
+captures, TorchDynamo graphs compiled, device allocations of the CUDA caching allocator, and
+the garbage collector's pauses, counted in this process.
+
+``real_work.py`` records them for every cell, so a first pass slower than its engine's steady
+passes shows what it did that they did not; ``first_pass_profile.py`` prints them beside its
+profiles. With the engine core in another process, the core's work is not seen here.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any
+
+
+class GcPauses:
+    """Seconds and collections of Python's garbage collector, by generation, since ``reset``."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def reset(self) -> None:
+        self.seconds, self.collections = [0.0, 0.0, 0.0], [0, 0, 0]
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds[info["generation"]] += time.perf_counter() - self._started
+            self.collections[info["generation"]] += 1
+
+    def __str__(self) -> str:
+        return ", ".join(
+            f"gen{g} {n} x {s * 1e3:.1f} ms"
+            for g, (n, s) in enumerate(zip(self.collections, self.seconds, strict=True))
+        )
+
+
+def device_allocations() -> tuple[int, int]:
+    """The caching allocator's device allocations and frees so far (0, 0 without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0, 0
+    stats = torch.cuda.memory_stats()
+    return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
+
+
+def dynamo_graphs() -> int:
+    """Graphs TorchDynamo has compiled in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class GraphCaptures:
+    """CUDA graph captures begun in this process since ``install`` (every capture, vLLM's and
+    ours, goes through ``torch.cuda.CUDAGraph.capture_begin``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def install(self) -> None:
+        import torch
+
+        graph_class = torch.cuda.CUDAGraph
+        begin = graph_class.capture_begin
+
+        def counted(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return begin(graph, *args, **kwargs)
+
+        graph_class.capture_begin = counted  # type: ignore[method-assign]
+
+
+class LazyWork:
+    """Counts of the work above; ``since(before)`` gives what happened between two ``take``s."""
+
+    def __init__(self) -> None:
+        from gemma4_spec.testing.engine_run import watch_triton_compiles
+
+        self.compiled: list[str] = []
+        try:
+            watch_triton_compiles(self.compiled.append)
+        except ImportError:  # no Triton (the CPU machines): nothing is JIT-compiled
+            pass
+        self.captures = GraphCaptures()
+        self.captures.install()
+        self.pauses = GcPauses()
+
+    def take(self) -> dict[str, Any]:
+        allocs, frees = device_allocations()
+        return {
+            "triton": len(self.compiled),
+            "graph_captures": self.captures.count,
+            "dynamo_graphs": dynamo_graphs(),
+            "device_allocs": allocs,
+            "device_frees": frees,
+            "gc_s": sum(self.pauses.seconds),
+            "gc_full": self.pauses.collections[2],
+        }
+
+    def since(self, before: dict[str, Any]) -> dict[str, Any]:
+        """What happened since ``before`` (a ``take``): counts, GC seconds and the Triton
+        kernels compiled (by name and specialisation)."""
+        now = self.take()
+        done: dict[str, Any] = {key: now[key] - before[key] for key in now}
+        done["triton_kernels"] = self.compiled[before["triton"] :]
+        return done
+
+
+# The counts a table prints, and their labels.
+COUNTED = (
+    ("triton", "Triton compiles"),
+    ("graph_captures", "graph captures"),
+    ("dynamo_graphs", "Dynamo graphs"),
+    ("device_allocs", "device allocations"),
+)
+
+
+def describe(done: dict[str, Any]) -> str:
+    """One line: the counts that are not zero, and the garbage collector's milliseconds."""
+    parts = [f"{label} {done[key]}" for key, label in COUNTED if done.get(key)]
+    if done.get("gc_s", 0.0) >= 1e-3:
+        parts.append(f"GC {done['gc_s'] * 1e3:.0f} ms ({done.get('gc_full', 0)} full)")
+    return ", ".join(parts) or "nothing"
+
+
+def total(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """The counts and GC seconds of several ``since`` results added up."""
+    keys = [key for key, _ in COUNTED] + ["gc_s", "gc_full"]
+    return {key: sum(cell.get(key, 0) for cell in cells) for key in keys}
