@@ -43,10 +43,11 @@
 # V2 runner halves side by side (each is its own process).
 # ('install' is step 2 without its tests, to chain another step in the same call.)
 # Only committed code should be on the tree that travels: a half-written kernel breaks step 2.
-# Carry sizes (64 MiB with the tree, ~27 MiB): part00 alone; part01 alone; part02 +
-# .devexp/wheels in a 'part' call (which stages the wheels too); .devexp/tf + .devexp/ours with
-# 'install'; the MoE kernels in a call of their own. The machine goes cold after 30 s without a call, and a cold machine has lost
-# every staged part.
+# Carry sizes (64 MiB with the tree, ~16 MiB; keep large run files as .json.xz, which
+# real_work.py --table reads, or the tree and a 30 MiB part no longer fit): part00 alone;
+# part01 alone; part02 + .devexp/wheels in a 'part' call (which stages the wheels too);
+# .devexp/tf + .devexp/ours with 'install'; the MoE kernels in a call of their own. The machine
+# goes cold after 30 s without a call, and a cold machine has lost every staged part.
 set -uo pipefail
 step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|verify-kernels|draft-kernels|e2e|real|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
