@@ -96,6 +96,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY": "0"},
         "spec": {},
     },
+    # The split-key verification attention up to 128 query tokens instead of 32
+    # (GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS): k=3 batches of 16 and 32 requests (64 and 128
+    # tokens, the field cells nearest the 1.15x line) on the split kernel, which one layer ran
+    # faster at those sizes; the one engine run at 96 tokens (k=2, B=32) was too noisy to say.
+    "ours-V2-split128": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS": "128"},
+        "spec": {},
+    },
     # vLLM's own V2 speculator (its draft prefill and step graphs) drafting with our model:
     # what our V2 draft loop (patch/patch_v2_speculator.py) earns.
     "ours-V2-vllmloop": {
