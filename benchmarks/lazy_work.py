@@ -57,46 +57,29 @@ def dynamo_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-class GraphCaptures:
-    """CUDA graph captures begun in this process since ``install`` (every capture, vLLM's and
-    ours, goes through ``torch.cuda.CUDAGraph.capture_begin``)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def install(self) -> None:
-        import torch
-
-        graph_class = torch.cuda.CUDAGraph
-        begin = graph_class.capture_begin
-
-        def counted(graph: Any, *args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            return begin(graph, *args, **kwargs)
-
-        graph_class.capture_begin = counted  # type: ignore[method-assign]
-
-
 class LazyWork:
     """Counts of the work above; ``since(before)`` gives what happened between two ``take``s."""
 
     def __init__(self) -> None:
-        from gemma4_spec.testing.engine_run import watch_triton_compiles
+        from gemma4_spec.testing.engine_run import watch_graph_captures, watch_triton_compiles
 
         self.compiled: list[str] = []
         try:
             watch_triton_compiles(self.compiled.append)
         except ImportError:  # no Triton (the CPU machines): nothing is JIT-compiled
             pass
-        self.captures = GraphCaptures()
-        self.captures.install()
+        self.captures = 0
+        watch_graph_captures(self._captured)
         self.pauses = GcPauses()
+
+    def _captured(self) -> None:
+        self.captures += 1
 
     def take(self) -> dict[str, Any]:
         allocs, frees = device_allocations()
         return {
             "triton": len(self.compiled),
-            "graph_captures": self.captures.count,
+            "graph_captures": self.captures,
             "dynamo_graphs": dynamo_graphs(),
             "device_allocs": allocs,
             "device_frees": frees,

@@ -1,7 +1,12 @@
-"""``testing.engine_run.error_lines``: what a report of a failed engine run names."""
+"""``testing.engine_run``'s helpers: what a report of a failed engine run names
+(``error_lines``), and the count of CUDA graphs a worker captures while serving."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
+from gemma4_spec.testing import engine_run
 from gemma4_spec.testing.engine_run import error_lines
 
 # Shaped like the tail of the H200's failed in-tree V1 start on the tiny 26B-A4B shape: the
@@ -33,3 +38,24 @@ def test_keeps_the_last_distinct_ones() -> None:
 
 def test_prose_that_mentions_an_error_is_no_exception_line() -> None:
     assert error_lines("Error handling went fine\nNo RuntimeError here\n") == []
+
+
+def test_graph_captures_counted_once_per_capture_from_the_latest_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A capture that does nothing (no CUDA here), and a fresh count, as a worker has them.
+    began: list[object] = []
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda g, *a, **k: began.append(g))
+    monkeypatch.setattr(engine_run._GraphCaptures, "total", 0)
+    monkeypatch.setattr(engine_run._GraphCaptures, "at_start", None)
+    monkeypatch.setattr(engine_run, "watch_triton_compiles", lambda note: None)  # not here
+    counts = engine_run._GraphCaptures
+    assert counts.since_start() == 0
+    engine_run._count_triton_compiles(None)
+    torch.cuda.CUDAGraph.capture_begin("graph 1")
+    torch.cuda.CUDAGraph.capture_begin("graph 2", pool=(0, 1))
+    assert counts.since_start() == 2 and began == ["graph 1", "graph 2"]
+    # A second engine in the same process counts from its own start, each capture once.
+    engine_run._count_triton_compiles(None)
+    torch.cuda.CUDAGraph.capture_begin("graph 3")
+    assert counts.since_start() == 1 and began[-1] == "graph 3"

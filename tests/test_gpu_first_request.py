@@ -1,4 +1,5 @@
-"""The first requests after start-up compile no Triton kernel (Model Runner V2, CUDA graphs).
+"""The first requests after start-up compile no Triton kernel and capture no CUDA graph (Model
+Runner V2, CUDA graphs), a batch of ragged requests at a new size included.
 
 vLLM's warm-up prefills one batch of ``max_num_seqs`` requests, and Triton compiles its attention
 kernel once per class of the batch's sequence count (1, a multiple of 16, any other): a first
@@ -36,8 +37,12 @@ pytestmark = [
 
 # One prompt alone, another alone, then three together: a one-sequence prefill and one of a
 # count that is neither 1 nor a multiple of 16; most prompts longer than the sliding window (16).
-PROMPT_LENGTHS = (9, 60, 3, 40, 70)
-REQUEST_BATCHES = [1, 1, 3]
+# Then sixteen more of different lengths that stop after different numbers of tokens, as real
+# traffic does (the trained pair's first pass at B=16 was slower than all its steady passes):
+# the decode batch shrinks from 16 to 1, through sizes the first requests did not meet.
+PROMPT_LENGTHS = (9, 60, 3, 40, 70, *range(5, 85, 5))
+REQUEST_BATCHES = [1, 1, 3, 16]
+RAGGED_MAX_TOKENS = [4 + (5 * i) % 21 for i in range(16)]  # 4 to 24, all different
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +58,7 @@ def runs(tmp_path_factory):  # type: ignore[no-untyped-def]
         assistant=str(assistant),
         num_speculative_tokens=3,
         request_batches=REQUEST_BATCHES,
+        sampling=[{}] * 5 + [{"max_tokens": n} for n in RAGGED_MAX_TOKENS],
         count_triton_compiles=True,
     )
     envs = {"warmed": {}, "control": {PREFILL_WARMUP_ENV: "0"}}
@@ -74,6 +80,9 @@ def test_first_requests_compile_no_triton_kernel(runs) -> None:  # type: ignore[
     # Nor capture a graph of the plugin's per-step launches (the draft-input staging): vLLM's
     # start-up capture stages over the same buffers.
     assert warmed.launch_graphs_captured_serving == 0
+    # Nor any other CUDA graph, vLLM's or ours (verification, draft loop), at any batch size.
+    assert warmed.cuda_graphs_captured_serving == 0
+    assert [len(t) for t in warmed.token_ids[5:]] == RAGGED_MAX_TOKENS
     # Nor scan the installed distributions for logits-processor plugins: the front end did at
     # start-up (patch/patch_input_processor.py).
     assert warmed.logits_processors_loaded_at_startup

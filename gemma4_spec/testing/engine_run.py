@@ -84,7 +84,8 @@ class RunConfig:
     # The prompts as successive ``generate`` calls of these many requests each, in order (e.g.
     # ``[1, 3]``: the first prompt alone, then the next three together); empty: one call.
     request_batches: list[int] = field(default_factory=list)
-    # Record the Triton kernels the worker compiles while generating (after start-up).
+    # Record the Triton kernels the worker compiles and the CUDA graphs it captures while
+    # generating (after start-up).
     count_triton_compiles: bool = False
 
 
@@ -155,6 +156,9 @@ class RunResult:
     # With ``count_triton_compiles``: the kernel (and specialisation) of every Triton
     # compilation the worker ran while generating, after its start-up.
     triton_compiles: list[str] = field(default_factory=list)
+    # With ``count_triton_compiles``: CUDA graphs of any kind (vLLM's, ours) the worker began
+    # to capture while generating (the most of any rank).
+    cuda_graphs_captured_serving: int = 0
     # Whether the front end had loaded the logits-processor plugins when its engine finished
     # starting (patch/patch_input_processor.py; vLLM 0.26 loads them in the first request).
     logits_processors_loaded_at_startup: bool = False
@@ -260,9 +264,8 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
             raise AttributeError(f"worker fact {name!r} is no field of {type(result).__name__}")
         setattr(result, name, value)
     result.draft_loop_graphs = [tuple(x) for x in result.rank_facts[0]["draft_loop_graphs"]]
-    result.launch_graphs_captured_serving = max(  # of any rank, not only the first
-        facts["launch_graphs_captured_serving"] for facts in result.rank_facts
-    )
+    for name in ("launch_graphs_captured_serving", "cuda_graphs_captured_serving"):
+        setattr(result, name, max(facts[name] for facts in result.rank_facts))  # of any rank
     del llm
     return result
 
@@ -320,6 +323,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         if isinstance(correction, GraphedCorrection)
         else 0,
         "triton_compiles": list(_triton_compiles or []),
+        "cuda_graphs_captured_serving": _GraphCaptures.since_start(),
         "launch_graphs_captured_serving": captures_in_process() - _captures_at_serving_start,
     }
 
@@ -340,6 +344,21 @@ def watch_triton_compiles(note: Callable[[str], None]) -> None:
     knobs.runtime.jit_cache_hook = hook
 
 
+def watch_graph_captures(note: Callable[[], None]) -> None:
+    """From now on, call ``note`` at every CUDA graph capture this process begins: vLLM's and
+    ours all go through ``torch.cuda.CUDAGraph.capture_begin``."""
+    import torch
+
+    graph_class = torch.cuda.CUDAGraph
+    begin = graph_class.capture_begin
+
+    def counted(graph: Any, *args: Any, **kwargs: Any) -> Any:
+        note()
+        return begin(graph, *args, **kwargs)
+
+    graph_class.capture_begin = counted  # type: ignore[method-assign]
+
+
 # Launch graphs this worker's process had captured when generating began
 # (``_mark_serving_start``).
 _captures_at_serving_start = 0
@@ -356,11 +375,37 @@ def _mark_serving_start(worker: Any) -> None:
 _triton_compiles: list[str] | None = None
 
 
+class _GraphCaptures:
+    """CUDA graph captures in this worker's process: counted from the first
+    ``_count_triton_compiles`` (watched once however many engines the process starts), read
+    from the latest one."""
+
+    total = 0
+    at_start: int | None = None
+
+    @classmethod
+    def start(cls) -> None:
+        if cls.at_start is None:
+            watch_graph_captures(cls._captured)
+        cls.at_start = cls.total
+
+    @classmethod
+    def _captured(cls) -> None:
+        cls.total += 1
+
+    @classmethod
+    def since_start(cls) -> int:
+        return 0 if cls.at_start is None else cls.total - cls.at_start
+
+
 def _count_triton_compiles(worker: Any) -> None:
-    """Runs in the worker: from now on, note every Triton JIT compilation."""
+    """Runs in the worker: from now on, note every Triton JIT compilation and every CUDA graph
+    capture."""
+    del worker
     global _triton_compiles
     _triton_compiles = []
     watch_triton_compiles(_triton_compiles.append)
+    _GraphCaptures.start()
 
 
 def _draft_query_heads(model: Any) -> list[int]:
