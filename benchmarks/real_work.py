@@ -523,7 +523,7 @@ def _worker(args: argparse.Namespace) -> None:
                     else None,
                 }
             )
-            if lazy and lazy_before:
+            if lazy and lazy_before is not None:
                 runs[str(b)][-1]["lazy"] = lazy.since(lazy_before)
             if args.scopes:
                 runs[str(b)][-1]["scopes"] = scopes_per_step(scopes, host_scopes.snapshot())
@@ -889,14 +889,19 @@ def _print_idle_engines(turns: list[dict[str, Any]]) -> None:
             print(f"  {name:24} {statistics.median(rates):5.2f}  {max(rates):5.2f}")
 
 
+def _has_pass_times(results: dict[str, Any], batches: list[str]) -> bool:
+    """Whether a saved run recorded each pass's wall time (runs from 6a049fd on)."""
+    first = next(iter(results.values()))["runs"][batches[0]]
+    return "pass_s" in first[-1]
+
+
 def _print_host(results: dict[str, Any], batches: list[str]) -> None:
     """Over the steady cells (medians): the process's CPU seconds per wall second, and the
     slowest pass of a cell over its fastest. A CPU figure near 1 with the engine core in
     process says the step waits on one Python thread; a wide pass spread in a cell says the
     cell's spread is the host's hiccups, not the engine's work. Runs saved before these
     fields existed print nothing."""
-    first = next(iter(results.values()))["runs"][batches[0]]
-    if "pass_s" not in first[-1]:
+    if not _has_pass_times(results, batches):
         return
     print("\nsteady cells (medians): CPU s per wall s of this process | slowest / fastest pass")
     for name, result in results.items():
@@ -914,8 +919,7 @@ def _print_first_passes(results: dict[str, Any], batches: list[str]) -> None:
     pass slower than the slowest of them is not the host's usual spread), and what the passes
     did that start-up could have done (``lazy_work.py``; runs with the engine core in process
     from when it was recorded)."""
-    first = next(iter(results.values()))["runs"][batches[0]]
-    if "pass_s" not in first[-1]:
+    if not _has_pass_times(results, batches):
         return
     print(
         "\nfirst pass, ms: steady passes' median and slowest (slower first passes than any "
