@@ -450,69 +450,6 @@ def test_the_request_cap_is_restored_when_a_warm_up_round_fails(
     assert runner.scheduler_config.max_num_seqs == 64
 
 
-class _ShapeRunner:
-    """A V2 runner as the shape warm-up reads it: records each logits row count and each
-    dummy forward's size (CPU tensors)."""
-
-    def __init__(self, method: str | None) -> None:
-        from types import SimpleNamespace
-
-        import torch
-
-        self.vllm_config = _FakeConfig(method, default=True)
-        self.vllm_config.compilation_config = SimpleNamespace(max_cudagraph_capture_size=512)
-        self.scheduler_config = SimpleNamespace(max_num_seqs=4)
-        self.fail_at_two = False
-        self.max_num_reqs, self.decode_query_len, self.max_num_tokens = 4, 3, 3000
-        self.model_config = SimpleNamespace(get_hidden_size=lambda: 8)
-        self.dtype, self.device = torch.float32, torch.device("cpu")
-        self.logits_rows: list[int] = []
-        self.forwards: list[tuple[int, dict[str, Any]]] = []
-        self.model = SimpleNamespace(
-            compute_logits=lambda states: self.logits_rows.append(states.shape[0])
-        )
-
-    def _dummy_run(self, size: int, **kwargs: Any) -> None:
-        self.forwards.append((size, kwargs))
-
-
-@pytest.mark.parametrize(
-    ("method", "env", "warms"),
-    [
-        ("gemma4_mtp", "1", True),
-        ("gemma4_mtp", None, False),  # opt-in: off unless GEMMA4_SPEC_SHAPE_WARMUP=1
-        ("eagle", "1", False),
-    ],
-)
-def test_gemm_shapes_of_a_first_request_are_warmed_when_asked(
-    set_env: Callable[[str, str | None], None], method: str, env: str | None, warms: bool
-) -> None:
-    set_env(patch_v2_warmup.PREFILL_WARMUP_ENV, None)
-    set_env(patch_v2_warmup.SHAPE_WARMUP_ENV, env)
-    runner = _ShapeRunner(method)
-    _patched_worker_module([]).warmup_kernels(runner, "execute", "sample")
-    if not warms:
-        assert runner.logits_rows == [] and runner.forwards == []
-        return
-    assert runner.logits_rows == list(range(1, 13))  # every count up to 4 requests x (1 + 2)
-    assert [size for size, _ in runner.forwards] == [1024, 2048, 3000]
-    assert all(kw == {"skip_eplb": True, "remove_lora": False} for _, kw in runner.forwards)
-
-
-@pytest.mark.parametrize(
-    ("largest", "limit", "sizes"),
-    [
-        (512, 8192, [1024, 2048, 4096, 8192]),
-        (512, 3000, [1024, 2048, 3000]),
-        (500, 1024, [512, 1024]),
-        (8192, 8192, []),  # every size a step can have is captured
-        (0, 4, [1, 2, 4]),  # no graphs
-    ],
-)
-def test_prefill_sizes_of_the_shape_warm_up(largest: int, limit: int, sizes: list[int]) -> None:
-    assert patch_v2_warmup.prefill_sizes(largest, limit) == sizes
-
-
 def test_real_gpu_worker_warm_up_is_patched_in_engine_processes() -> None:
     result = run_python(
         "import json\n"
