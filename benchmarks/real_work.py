@@ -125,22 +125,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"},
         "spec": {"num_speculative_tokens_per_batch_size": [[1, 8, 3], [9, 32, 2], [33, 1024, 1]]},
     },
-    # Diagnostic: every kernel of every CUDA module loaded when the process first uses CUDA
-    # (CUDA's own switch; torch picks lazy loading otherwise, which loads a kernel's module at
-    # its first launch). The first-pass profile put the growth of a first pass at B = 16 / 32 in
-    # the prefill GEMMs' own host time; if lazy loading is what a first pass pays for, this
-    # engine's first pass matches its steady rounds.
-    "ours-V2-eagerload": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "CUDA_MODULE_LOADING": "EAGER"},
-        "spec": {},
-    },
-    # Opt-in, unmeasured: the start-up launch of the GEMM shapes a first request meets outside
-    # CUDA graphs (patch/patch_v2_warmup.py, GEMMA4_SPEC_SHAPE_WARMUP): what a first pass at
-    # B = 16 / 32 gains beside ours-V2 and ours-V2-eagerload.
-    "ours-V2-shapewarm": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_SHAPE_WARMUP": "1"},
-        "spec": {},
-    },
     # The assistant's projections through cuBLAS (F.linear) instead of our small-rows kernel
     # (ops/small_linear.py, GEMMA4_SPEC_SMALL_LINEAR=0): what the kernel earns in one run.
     "ours-V2-cublas": {
@@ -416,19 +400,21 @@ def scopes_per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
     return host_scopes.per_step(after, before, max(steps, 1))
 
 
-def timed_passes(run_once: Callable[[], Any], min_seconds: float) -> tuple[list[Any], list[float]]:
-    """Run ``run_once`` once, then again until ``min_seconds`` of wall time have passed: the
-    outputs of every pass and each pass's wall time. A pass of a tiny pair's batch lasts a
-    tenth of a second, where one hiccup of the host moves its tokens/s by a tenth or more; the
-    steady rounds time a second or more of the same work instead, and the pass times show
-    whether a slow cell was one slow pass or all of them."""
+def timed_passes(
+    run_once: Callable[[], Any], min_seconds: float, min_passes: int = 1
+) -> tuple[list[Any], list[float]]:
+    """Run ``run_once`` until ``min_seconds`` of wall time and ``min_passes`` passes have
+    passed: the outputs of every pass and each pass's wall time. A pass of a tiny pair's batch
+    lasts a tenth of a second, where one hiccup of the host moves its tokens/s by a tenth or
+    more; the steady rounds time a second or more of the same work instead, and the pass
+    times show whether a slow cell was one slow pass or all of them."""
     outputs: list[Any] = []
     walls: list[float] = []
     while True:
         start = time.perf_counter()
         outputs.append(run_once())
         walls.append(time.perf_counter() - start)
-        if sum(walls) >= min_seconds:
+        if sum(walls) >= min_seconds and len(walls) >= min_passes:
             return outputs, walls
 
 
@@ -499,10 +485,12 @@ def _worker(args: argparse.Namespace) -> None:
             scopes = host_scopes.snapshot() if args.scopes else {}
             lazy_before = lazy.take() if lazy else None
             cpu = time.process_time()
-            passes, walls = timed_passes(
-                lambda b=b: llm.generate(prompts[:b], params[:b], use_tqdm=False),
-                0.0 if rnd == 0 else args.min_seconds,  # the first pass is one pass
-            )
+
+            def run_again(b: int = b) -> Any:
+                return llm.generate(prompts[:b], params[:b], use_tqdm=False)
+
+            # The first pass is one pass.
+            passes, walls = timed_passes(run_again, 0.0 if rnd == 0 else args.min_seconds)
             cpu = time.process_time() - cpu
             wall = sum(walls)
             acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
@@ -529,6 +517,11 @@ def _worker(args: argparse.Namespace) -> None:
                 runs[str(b)][-1]["scopes"] = scopes_per_step(scopes, host_scopes.snapshot())
             if args.pair == "trained":  # compared with plain's in the tables
                 runs[str(b)][-1]["token_ids"] = [list(o.outputs[0].token_ids) for o in passes[0]]
+            if rnd == 0 and args.next_passes:
+                # The same batch again right after its first pass, apart from the cell's
+                # figures: passes a fraction of a second from the first, so at the host's
+                # speed of that moment (a steady round may run at another).
+                runs[str(b)][-1]["next_pass_s"] = timed_passes(run_again, 0.0, args.next_passes)[1]
             turn_done(control, args.index, turn)
     Path(args.out).write_text(
         json.dumps(
@@ -558,6 +551,13 @@ def main() -> int:
         default=1.0,
         help="steady rounds: each batch size's cell repeats its batch until this much wall "
         "time has passed (the first pass runs once)",
+    )
+    parser.add_argument(
+        "--next-passes",
+        type=int,
+        default=3,
+        help="passes of each batch size run right after its first pass, timed apart: the "
+        "first pass against the passes next to it",
     )
     parser.add_argument("--workdir", default="/tmp/real-work")
     parser.add_argument("--only", default=None, help="comma-separated name prefixes to run")
@@ -686,6 +686,8 @@ def main() -> int:
                 str(args.rounds),
                 "--min-seconds",
                 str(args.min_seconds),
+                "--next-passes",
+                str(args.next_passes),
                 "--start-timeout",
                 str(args.start_timeout),
                 "--engine",
@@ -923,7 +925,8 @@ def _print_first_passes(results: dict[str, Any], batches: list[str]) -> None:
         return
     print(
         "\nfirst pass, ms: steady passes' median and slowest (slower first passes than any "
-        "steady one marked *); what it did that start-up could have"
+        "steady one marked *); the passes run right after it (median; the first's speed over "
+        "theirs); what it did that start-up could have"
     )
     for name, result in results.items():
         print(f"  {name}")
@@ -936,6 +939,10 @@ def _print_first_passes(results: dict[str, Any], batches: list[str]) -> None:
                 f"    B={b:<4}{took * 1e3:8.1f}{mark} ({statistics.median(steady) * 1e3:.1f}, "
                 f"{max(steady) * 1e3:.1f})"
             )
+            beside = _first_over_next(runs[0])
+            if beside is not None:
+                line += f"  next: {statistics.median(runs[0]['next_pass_s']) * 1e3:.1f}"
+                line += f" (first x next {beside:4.2f})"
             if "lazy" in runs[0]:
                 line += f"  first: {lazy_work.describe(runs[0]['lazy'])}"
                 kernels = runs[0]["lazy"].get("triton_kernels", [])
@@ -982,6 +989,14 @@ def _print_first_pass_scopes(
         first = result["runs"][b][0].get("scopes")
         if first:
             print(f"  B={b}: {largest_differences(first, steady[b], 5)}")
+
+
+def _first_over_next(first: dict[str, Any]) -> float | None:
+    """The first pass's speed over the passes run right after it (the same work, their median
+    time over its time); None for runs without them (``--next-passes 0``, or saved before
+    they were recorded)."""
+    after = first.get("next_pass_s")
+    return statistics.median(after) / first["pass_s"][0] if after else None
 
 
 def _steady(runs: list[dict[str, Any]]) -> float:
@@ -1066,7 +1081,9 @@ def _print_targets(
                 misses.append("no in-tree run")  # the target over in-tree is not measured
             first = runs[0]["tokens_per_s"] / _steady(runs)
             if first < TARGET_FIRST_PASS:
-                misses.append(f"first {first:4.2f}")
+                beside = _first_over_next(runs[0])
+                nearby = f" ({beside:4.2f} x next)" if beside is not None else ""
+                misses.append(f"first {first:4.2f}{nearby}")
             if name.endswith(f" {ZERO}") and plain is not None:
                 # Nothing accepted: a step makes one token a request, as plain's does.
                 steps = _paired_ratios(plain[b], runs)

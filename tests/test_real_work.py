@@ -452,6 +452,8 @@ def test_steady_cells_repeat_their_batch_for_the_minimum_time() -> None:
     assert len(outputs) >= 5 and outputs == calls[1:] and len(walls) == len(outputs)
     assert sum(walls) >= 0.05 and sum(walls[:-1]) < 0.05  # stops at the first pass past it
     assert min(walls) >= 0.01
+    outputs, walls = real_work.timed_passes(run_once, 0.0, 3)  # the passes after a first
+    assert len(outputs) == len(walls) == 3
 
 
 def test_host_table_shows_cpu_per_wall_and_the_pass_spread(tmp_path: Path) -> None:
@@ -636,3 +638,26 @@ def test_tables_show_a_first_pass_slower_than_every_steady_one_and_what_it_compi
     assert "300.0* (150.0, 160.0)" in line
     assert "first: Triton compiles 1 [_verify_rows_kernel]" in line
     assert line.endswith("steady cells: device allocations 2")
+    assert "next:" not in line  # saved before the passes after a first were recorded
+
+
+def test_a_first_pass_is_shown_against_the_passes_right_after_it(tmp_path: Path) -> None:
+    """A first pass slow against the steady median, but as fast as the passes run right after
+    it: the host was slow at that moment (the table and the targets line both say so)."""
+    runs = [
+        {"tokens_per_s": 100, "pass_s": [0.30], "next_pass_s": [0.29, 0.31, 0.33]},
+        {"tokens_per_s": 200, "pass_s": [0.15, 0.16]},
+        {"tokens_per_s": 210, "pass_s": [0.14, 0.15]},
+    ]
+    for cell in runs:
+        cell.update(mean_accepted_length=3.3, cpu_per_wall=1.0)
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {"ours-V2 k=3 real": {"startup_s": 50, "runs": {"16": runs}}},
+    }
+    text = _tables(saved, tmp_path)
+    line = next(r for r in text.split("\nfirst pass, ms")[1].splitlines() if "B=16" in r)
+    assert "next: 310.0 (first x next 1.03)" in line
+    targets = text.split("\ntargets:")[1].splitlines()[1]
+    assert "first 0.49 (1.03 x next)" in targets
