@@ -19,7 +19,6 @@ first request; ``GEMMA4_SPEC_PREFILL_WARMUP=0`` turns it off. Each extra round i
 and a few decode steps of dummy requests (vLLM's warm-up releases them). Other engines keep
 vLLM's warm-up as it is. vLLM versions: 0.26 - 0.33 (the function and its three arguments, and
 its request count read from ``scheduler_config.max_num_seqs``, are the same in all of them).
-
 """
 
 from __future__ import annotations
