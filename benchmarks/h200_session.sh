@@ -62,9 +62,11 @@ MOE_SO=_moe_C_stable_libtorch.abi3.so
 # being edited here), carried as .devexp/pinned/<path relative to the repo root>.
 if [ -d .devexp/pinned ]; then (cd .devexp/pinned && find . -type f) | while read -r f; do
     cp ".devexp/pinned/$f" "$f" && echo "pinned $f"; done; fi
+# Steps that need no vLLM stage part00 on the way, for a later install on this machine.
+stage_part00() { mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part00 /tmp/stage/; }
 case "$step" in
 stage)  # step 1 without the argmax kernels: the per-step launch kernels' tests and host costs
-    mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part00 /tmp/stage/
+    stage_part00
     export PYTHONPATH=$PWD
     timeout 120 python3 -m pytest -q tests/test_draft_inputs.py \
         tests/test_graphed_launch.py "tests/test_greedy_verify.py::test_kernel_matches_reference_cuda" \
@@ -75,7 +77,7 @@ stage)  # step 1 without the argmax kernels: the per-step launch kernels' tests 
     ;;
 chain)  # step 1's alternative: the draft prologues' CUDA tests and the layer chain's
     # benchmark (torch + triton only), staging part00 as step 1 does
-    mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part00 /tmp/stage/
+    stage_part00
     export PYTHONPATH=$PWD
     timeout 200 python3 -m pytest -q tests/test_draft_prologue.py tests/test_small_linear.py \
         > "$OUT/test_draft_prologue_cuda.log" 2>&1
@@ -84,7 +86,7 @@ chain)  # step 1's alternative: the draft prologues' CUDA tests and the layer ch
         2>&1 | grep -v Warning | tee "$OUT/draft_chain.log"
     ;;
 kernels)
-    mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part00 /tmp/stage/
+    stage_part00
     export PYTHONPATH=$PWD
     timeout 150 python3 benchmarks/centroid_argmax.py --tokens 1,2,3,4,5,8,16,32,64,256 \
         --reps 200 --json "$OUT/centroid_argmax.json" 2>&1 | tee "$OUT/centroid_argmax.log"

@@ -293,8 +293,8 @@ class Gemma4AssistantForDrafting(nn.Module):
         )
         # The projections' matmuls, a few rows each draft step, in one launch each on CUDA;
         # opt-in, the norms and activation between them in those launches too.
-        self.small_rows_linear = use_small_rows_linear(self, vllm_config.device_config.device) > 0
-        self.fused_draft = fused_draft_applies(text_config, self.small_rows_linear)
+        small_rows = use_small_rows_linear(self, vllm_config.device_config.device) > 0
+        self.fused_draft = fused_draft_applies(text_config, small_rows)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.model.embed_tokens is None:
