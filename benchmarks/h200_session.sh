@@ -29,8 +29,6 @@
 #   profile-real: torch.profiler of real_work.py's engine variants on the trained pair (or
 #         e2b), B = 1 and 16, k = 3, engines started side by side and measured in turn
 #   verify-kernels: after 'install', the capped argmax's tests and benchmark
-#   chain: instead of step 1 (carry part00): the opt-in draft prologues' CUDA tests and the
-#         draft layer chain fused and unfused (benchmarks/small_linear.py --chain-only)
 #   draft-kernels: after 'install', the small-rows matmul's tests and benchmark
 #         (SMALL_LINEAR_SWEEP=1: also its tile sweep), the flat-verify CUDA tests and
 #         verify_attention.py
@@ -51,7 +49,7 @@
 # .devexp/tf + .devexp/ours with 'install'; the MoE kernels in a call of their own. The machine
 # goes cold after 30 s without a call, and a cold machine has lost every staged part.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|e2e|real|profile|profile-real|tp2}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|verify-kernels|draft-kernels|e2e|real|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
@@ -74,16 +72,6 @@ stage)  # step 1 without the argmax kernels: the per-step launch kernels' tests 
     echo "launch kernel tests rc=$?"; tail -2 "$OUT/test_launch_kernels_cuda.log"
     timeout 100 python3 benchmarks/launch_overhead.py 2>&1 | grep -v Warning \
         | tee "$OUT/launch_overhead.log"
-    ;;
-chain)  # step 1's alternative: the draft prologues' CUDA tests and the layer chain's
-    # benchmark (torch + triton only), staging part00 as step 1 does
-    stage_part00
-    export PYTHONPATH=$PWD
-    timeout 200 python3 -m pytest -q tests/test_draft_prologue.py tests/test_small_linear.py \
-        > "$OUT/test_draft_prologue_cuda.log" 2>&1
-    echo "prologue tests rc=$?"; tail -2 "$OUT/test_draft_prologue_cuda.log"
-    timeout 200 python3 benchmarks/small_linear.py --chain-only --json "$OUT/draft_chain.json" \
-        2>&1 | grep -v Warning | tee "$OUT/draft_chain.log"
     ;;
 kernels)
     stage_part00

@@ -125,13 +125,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"},
         "spec": {"num_speculative_tokens_per_batch_size": [[1, 8, 3], [9, 32, 2], [33, 1024, 1]]},
     },
-    # Opt-in (GEMMA4_SPEC_FUSED_DRAFT=1): each draft layer's norms, residuals and gated GELU
-    # in the prologue of the small-rows matmul that follows them (ops/draft_prologue.py), 13
-    # fewer launches a draft step: what the zero-acceptance row and the others gain.
-    "ours-V2-fused": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FUSED_DRAFT": "1"},
-        "spec": {},
-    },
     # The assistant's projections through cuBLAS (F.linear) instead of our small-rows kernel
     # (ops/small_linear.py, GEMMA4_SPEC_SMALL_LINEAR=0): what the kernel earns in one run.
     "ours-V2-cublas": {

@@ -59,25 +59,3 @@ def test_graph_captures_counted_once_per_capture_from_the_latest_engine(
     engine_run._count_triton_compiles(None)
     torch.cuda.CUDAGraph.capture_begin("graph 3")
     assert counts.since_start() == 1 and began[-1] == "graph 3"
-
-
-def test_a_runs_environment_is_set_while_it_runs_then_restored(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import os
-
-    seen: dict[str, str | None] = {}
-
-    def fake_generate(config: engine_run.RunConfig, single_process: bool) -> str:
-        seen.update(a=os.environ.get("G4S_TEST_A"), b=os.environ.get("G4S_TEST_B"))
-        return "ran"
-
-    monkeypatch.setenv("G4S_TEST_A", "outer")
-    monkeypatch.delenv("G4S_TEST_B", raising=False)
-    monkeypatch.setattr(engine_run, "_generate", fake_generate)
-    config = engine_run.RunConfig(
-        target="t", prompts=[], env={"G4S_TEST_A": "inner", "G4S_TEST_B": "1"}
-    )
-    assert engine_run.generate(config) == "ran"
-    assert seen == {"a": "inner", "b": "1"}
-    assert os.environ["G4S_TEST_A"] == "outer" and "G4S_TEST_B" not in os.environ

@@ -20,7 +20,7 @@ the input embedding is the target's, attached by the proposer after loading.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -43,14 +43,8 @@ from vllm.sequence import IntermediateTensors
 
 from gemma4_spec.ops.centroid_argmax import CentroidMask, masked_logits
 from gemma4_spec.ops.centroid_argmax_triton import centroid_argmax_fused
-from gemma4_spec.ops.draft_prologue import (
-    gelu_tanh_mul_linear,
-    residual_rms_norm_linear,
-    rms_norm_linear,
-)
 from gemma4_spec.ops.small_linear import use_small_rows_linear
 from gemma4_spec.ops.vocab_argmax_triton import vocab_argmax
-from gemma4_spec.switches import turned_on
 from gemma4_spec.validation import SLIDING_ATTENTION, kv_source_layers, layer_attention_shape
 
 # (checkpoint name fragment, our parameter fragment, shard id) for stacked parameters.
@@ -60,11 +54,6 @@ STACKED_PARAMS: tuple[tuple[str, str, int], ...] = (
 )
 # The lm_head is tied to the draft-width embedding; either name may be in a checkpoint.
 LM_HEAD_ALIASES: tuple[str, ...] = ("model.embed_tokens.weight", "lm_head.weight")
-# Opt-in: each draft layer's norms and activation in the prologue of the next small-rows matmul
-# (ops/draft_prologue.py; ``fused_layer_chain``).
-FUSED_DRAFT_ENV = "GEMMA4_SPEC_FUSED_DRAFT"
-# The activation the fused MLP computes (vLLM's name for GELU, tanh approximation, and mul).
-FUSED_ACTIVATION = "gelu_pytorch_tanh"
 
 
 class QOnlyAttention(nn.Module):
@@ -123,10 +112,6 @@ class QOnlyAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, _ = self.q_proj(hidden_states)
-        return self.attend(positions, q)
-
-    def attend(self, positions: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        """Everything after the query projection: q-norm, RoPE, attention, output projection."""
         q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).flatten(-2)
         q, _ = self.rotary_emb(positions, q, None)
         out = self.attn(q, None, None)
@@ -291,10 +276,8 @@ class Gemma4AssistantForDrafting(nn.Module):
             torch.tensor(list(suppress or []), dtype=torch.long),
             persistent=False,
         )
-        # The projections' matmuls, a few rows each draft step, in one launch each on CUDA;
-        # opt-in, the norms and activation between them in those launches too.
-        small_rows = use_small_rows_linear(self, vllm_config.device_config.device) > 0
-        self.fused_draft = fused_draft_applies(text_config, small_rows)
+        # The projections' matmuls, a few rows each draft step, in one launch each on CUDA.
+        use_small_rows_linear(self, vllm_config.device_config.device)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.model.embed_tokens is None:
@@ -316,10 +299,6 @@ class Gemma4AssistantForDrafting(nn.Module):
             assert input_ids is not None
             inputs_embeds = self.embed_input_ids(input_ids)
         h, _ = self.pre_projection(torch.cat([inputs_embeds, hidden_states], dim=-1))
-        if self.fused_draft:
-            return fused_layer_chain(
-                self.model.layers, self.model.norm, self.post_projection, positions, h
-            )
         for layer in self.model.layers:
             h = layer(positions, h)
         h = self.model.norm(h)
@@ -387,82 +366,6 @@ class Gemma4AssistantForDrafting(nn.Module):
                     )
             loaded.add(name)
         return loaded
-
-
-def fused_draft_applies(text_config: PretrainedConfig, small_rows_linear: bool) -> bool:
-    """Whether ``forward`` runs ``fused_layer_chain``: ``GEMMA4_SPEC_FUSED_DRAFT=1``, the
-    linear layers on the small-rows method (a CUDA model: the fused ops' few-rows kernel is its
-    kernel), one tensor-parallel rank (with several, the row-parallel o_proj / down_proj
-    outputs are partial sums until their all-reduce, which the next norm must follow) and the
-    activation the kernel computes."""
-    return (
-        turned_on(FUSED_DRAFT_ENV)
-        and small_rows_linear
-        and get_tensor_model_parallel_world_size() == 1
-        and getattr(text_config, "hidden_activation", None) == FUSED_ACTIVATION
-    )
-
-
-def _plus_bias(out: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    """A fused matmul's output plus the linear layer's bias, if it has one."""
-    bias = getattr(linear, "bias", None)
-    return out if bias is None else out + bias
-
-
-def _residual_into(
-    out: torch.Tensor,
-    residual: torch.Tensor,
-    post_norm: RMSNorm,
-    scalar: torch.Tensor | None,
-    pre_norm: RMSNorm,
-    linear: nn.Module,
-    write_x: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A sub-layer's ``out`` added to the residual through its post norm (and scaled), the sum
-    normed by ``pre_norm`` into ``linear``: (its output, the new residual, the normed sum if
-    ``write_x``)."""
-    proj, h, x = residual_rms_norm_linear(
-        out, residual, post_norm.weight, post_norm.variance_epsilon, scalar, pre_norm.weight,
-        pre_norm.variance_epsilon, linear.weight, write_x,
-    )  # fmt: skip
-    return _plus_bias(proj, linear), h, x
-
-
-def fused_layer_chain(
-    layers: Sequence[nn.Module],
-    final_norm: RMSNorm,
-    post_projection: nn.Module,
-    positions: torch.Tensor,
-    h: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoder layers, final norm and post-projection of ``forward`` with every norm and
-    the MLP's activation in the prologue of the matmul that reads it (ops/draft_prologue.py):
-    the input norm in the query projection, the attention's residual and pre-MLP norm in
-    gate/up, the gated GELU in down, the MLP's residual, the layer scalar and the next input
-    norm (the final norm after the last layer) in the next query projection (post-projection).
-    The weights are the layers' own; attention and its output projection run as in
-    ``QOnlyAttention``. Returns ``forward``'s (draft hidden, backbone hidden)."""
-    first = layers[0]
-    q_norm = first.input_layernorm
-    q_proj = first.self_attn.q_proj
-    q, _ = rms_norm_linear(h, q_norm.weight, q_norm.variance_epsilon, q_proj.weight, False)
-    q = _plus_bias(q, q_proj)
-    for idx, layer in enumerate(layers):
-        attn = layer.self_attn.attend(positions, q)
-        mlp = layer.mlp
-        gate_up, h, _ = _residual_into(
-            attn, h, layer.post_attention_layernorm, None, layer.pre_feedforward_layernorm,
-            mlp.gate_up_proj,
-        )  # fmt: skip
-        down = _plus_bias(gelu_tanh_mul_linear(gate_up, mlp.down_proj.weight), mlp.down_proj)
-        last = idx == len(layers) - 1
-        pre_norm = final_norm if last else layers[idx + 1].input_layernorm
-        linear = post_projection if last else layers[idx + 1].self_attn.q_proj
-        q, h, normed = _residual_into(
-            down, h, layer.post_feedforward_layernorm, layer.layer_scalar, pre_norm, linear,
-            write_x=last,
-        )  # fmt: skip
-    return normed, q
 
 
 def _join(prefix: str, name: str) -> str:

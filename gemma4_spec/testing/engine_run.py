@@ -87,9 +87,6 @@ class RunConfig:
     # Record the Triton kernels the worker compiles and the CUDA graphs it captures while
     # generating (after start-up).
     count_triton_compiles: bool = False
-    # Environment variables set while this engine starts and runs (e.g. an opt-in switch the
-    # model reads when it is built), restored after; the engine core's processes inherit them.
-    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -107,9 +104,6 @@ class RunResult:
     runner_class: str | None = None
     drafter_class: str | None = None
     draft_model_class: str | None = None  # the model the drafter runs
-    # Whether the drafter's model runs its layers through the fused prologues
-    # (``GEMMA4_SPEC_FUSED_DRAFT``, models/gemma4_mtp.py).
-    draft_fused: bool = False
     # Query heads each assistant layer computes on this rank (all of them without tensor
     # parallelism, a share of them with it); empty if the drafter's model has no such layers.
     draft_query_heads: list[int] = field(default_factory=list)
@@ -219,19 +213,6 @@ def engine_kwargs(config: RunConfig, *, single_process: bool = False) -> dict[st
 def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     """Generate in this process. ``single_process`` runs vLLM's engine core and worker here too
     (it must be chosen before vLLM is first imported in this process)."""
-    saved = {name: os.environ.get(name) for name in config.env}
-    os.environ.update(config.env)
-    try:
-        return _generate(config, single_process)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _generate(config: RunConfig, single_process: bool) -> RunResult:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if single_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -317,7 +298,6 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         if getattr(drafter, "model", None) is None
         else _class_path(type(drafter.model)),
         "draft_query_heads": _draft_query_heads(getattr(drafter, "model", None)),
-        "draft_fused": bool(getattr(getattr(drafter, "model", None), "fused_draft", False)),
         "sampler_graph_sizes": list(getattr(sampler, "captured_sizes", [])),
         "draft_loop_graphs": [] if loops is None else loops.captured,
         "draft_loop_graphs_off": None if loops is None else loops.disabled,
