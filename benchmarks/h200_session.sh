@@ -29,6 +29,9 @@
 #   profile-real: torch.profiler of real_work.py's engine variants on the trained pair (or
 #         e2b), B = 1 and 16, k = 3, engines started side by side and measured in turn
 #   verify-kernels: after 'install', the capped argmax's tests and benchmark
+#   chain: instead of step 1 (carry part00): the small-rows matmul's CUDA tests (the
+#         programmatic dependent launch's too) and the draft layer chain with cuBLAS, our
+#         kernel, and our kernel with PDL (benchmarks/draft_chain.py); torch + triton only
 #   draft-kernels: after 'install', the small-rows matmul's tests and benchmark
 #         (SMALL_LINEAR_SWEEP=1: also its tile sweep), the flat-verify CUDA tests and
 #         verify_attention.py
@@ -49,7 +52,7 @@
 # .devexp/tf + .devexp/ours with 'install'; the MoE kernels in a call of their own. The machine
 # goes cold after 30 s without a call, and a cold machine has lost every staged part.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|kernels|vllm|install|engine|verify-kernels|draft-kernels|e2e|real|profile|profile-real|tp2}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|e2e|real|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
@@ -72,6 +75,14 @@ stage)  # step 1 without the argmax kernels: the per-step launch kernels' tests 
     echo "launch kernel tests rc=$?"; tail -2 "$OUT/test_launch_kernels_cuda.log"
     timeout 100 python3 benchmarks/launch_overhead.py 2>&1 | grep -v Warning \
         | tee "$OUT/launch_overhead.log"
+    ;;
+chain)  # step 1's alternative, staging part00 as step 1 does
+    stage_part00
+    export PYTHONPATH=$PWD
+    timeout 200 python3 -m pytest -q tests/test_small_linear.py > "$OUT/test_small_linear_cuda.log" 2>&1
+    echo "small-rows matmul tests rc=$?"; tail -2 "$OUT/test_small_linear_cuda.log"
+    timeout 200 python3 benchmarks/draft_chain.py --json "$OUT/draft_chain.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/draft_chain.log"
     ;;
 kernels)
     stage_part00

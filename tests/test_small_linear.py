@@ -182,3 +182,82 @@ def test_linear_method_routes_unquantized_layers(set_env) -> None:  # type: igno
     x, bias = torch.randn(3, 12), torch.randn(8)
     want = torch.nn.functional.linear(x, layer.weight, bias)
     torch.testing.assert_close(layer.quant_method.apply(layer, x, bias), want)
+
+
+def test_pdl_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Programmatic dependent launch is opt-in, on CUDA of compute capability 9.0+ only, and
+    never under Triton's interpreter (which has no ``gdc_wait``)."""
+    from gemma4_spec.ops.small_linear_triton import SMALL_LINEAR_PDL_ENV, pdl_usable
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv(SMALL_LINEAR_PDL_ENV, "1")
+    assert not pdl_usable(torch.device("cpu"))
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        assert pdl_usable(cuda) == (torch.cuda.get_device_capability() >= (9, 0))
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert not pdl_usable(cuda)
+        monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv(SMALL_LINEAR_PDL_ENV)
+    assert not pdl_usable(torch.device("cuda")), "on without the switch"
+
+
+needs_pdl = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_TRITON and torch.cuda.get_device_capability() >= (9, 0)),
+    reason="needs a CUDA GPU of compute capability 9.0+ (programmatic dependent launch)",
+)
+
+
+@needs_pdl
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_pdl_launch_equals_plain_launch_cuda(rows: int) -> None:
+    """The same sums in the same order: bit for bit the plain launch's output."""
+    from gemma4_spec.ops.small_linear_triton import small_linear_config, small_linear_kernel
+
+    for n, k in ASSISTANT_SHAPES:
+        x, w = _operands(rows, n, k, torch.bfloat16, "cuda", seed=rows)
+        cfg = small_linear_config(rows, n, k, x.device)
+        plain = small_linear_kernel(x, w, cfg._replace(pdl=False))
+        assert torch.equal(small_linear_kernel(x, w, cfg._replace(pdl=True)), plain), (n, k)
+
+
+@needs_pdl
+def test_pdl_launch_waits_for_the_kernel_before_cuda() -> None:
+    """Behind a kernel that lets its dependents start at once and writes ``x`` only after a
+    long spin, a PDL launch (in a CUDA graph, as a draft step's) reads the new ``x``: its
+    ``gdc_wait`` is what holds it. Without the wait it would read ``x`` from before."""
+    import triton
+    import triton.language as tl
+
+    from gemma4_spec.ops.small_linear_triton import small_linear_config, small_linear_kernel
+
+    @triton.jit
+    def _late_copy(src, dst, n, spins, BLOCK: tl.constexpr):
+        tl.extra.cuda.gdc_launch_dependents()  # dependents may start now
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        v = tl.load(src + offs, mask=offs < n)
+        for _ in range(spins):  # a NaN test the compiler cannot fold: v stays v
+            v = tl.where(v != v, v + 1, v)
+        tl.store(dst + offs, v, mask=offs < n)
+
+    for rows, n, k in ((4, 256, 2048), (4, 2048, 256)):  # a split launch and a plain one
+        src, w = _operands(rows, n, k, torch.bfloat16, "cuda")
+        x = torch.zeros_like(src)
+        cfg = small_linear_config(rows, n, k, x.device)._replace(pdl=True)
+
+        def step(src=src, x=x, w=w, cfg=cfg):  # type: ignore[no-untyped-def]
+            _late_copy[(triton.cdiv(x.numel(), 1024),)](src, x, x.numel(), 200_000, BLOCK=1024)
+            return small_linear_kernel(x, w, cfg)
+
+        step()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for seed in range(3):
+            fresh, _ = _operands(rows, n, k, torch.bfloat16, "cuda", seed=seed + 20)
+            src.copy_(fresh)
+            x.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            want = small_linear_kernel(fresh, w, cfg._replace(pdl=False))
+            assert torch.equal(out, want), (rows, n, k, seed)
