@@ -21,8 +21,8 @@ Programmatic dependent launch (``pdl``, opt-in with ``GEMMA4_SPEC_SMALL_LINEAR_P
 compute capability 9.0+): the launch may start while the kernel before it on the stream
 finishes. A program then requests its first K step of the weight (which no earlier kernel
 writes) before it waits for that kernel (``gdc_wait``), and reads ``x`` and writes anything
-only after, so the weight's trip to memory overlaps the earlier kernel's end. In a chain of
-latency-bound draft kernels that is where the time goes; not yet measured, so off.
+only after, so the weight's trip to memory overlaps the earlier kernel's end (a draft step is a
+chain of such latency-bound kernels).
 
 Counters are per device (``prepare_small_linear``, called by the linear method after the
 weights load, outside any graph capture). Launches sharing them must not run concurrently on
