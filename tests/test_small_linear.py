@@ -13,6 +13,8 @@ one rounding step, in float32 by the order of the sums.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -261,3 +263,61 @@ def test_pdl_launch_waits_for_the_kernel_before_cuda() -> None:
             torch.cuda.synchronize()
             want = small_linear_kernel(fresh, w, cfg._replace(pdl=False))
             assert torch.equal(out, want), (rows, n, k, seed)
+
+
+def _hopper_ptx(pdl: bool, split: bool) -> list[str]:
+    """The kernel's PTX for sm_90, compiled ahead of time (no GPU needed), as lines."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from gemma4_spec.ops.small_linear_triton import _small_linear_kernel
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
+                "out_ptr": "*bf16"}  # fmt: skip
+    scalars = ("T", "N", "K", "stride_x", "stride_w", "stride_out", "SPLITS", "STEPS_PER_SPLIT")
+    constants = {"BLOCK_T": 16, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT": split,
+                 "PRECISION": "tf32", "UPCAST": False, "PDL": pdl}  # fmt: skip
+    signature = {
+        **pointers,
+        **dict.fromkeys(scalars, "i32"),
+        **dict.fromkeys(constants, "constexpr"),
+    }
+    source = ASTSource(fn=_small_linear_kernel, signature=signature, constexprs=constants)
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "num_stages": 3})  # fmt: skip
+    except (RuntimeError, FileNotFoundError, TypeError) as err:
+        # no ptxas or CUDA backend in this triton, or its compile API differs (written for 3.9)
+        pytest.skip(f"cannot compile for sm_90 here: {err}")
+    ptx = compiled.asm["ptx"]
+    return ptx[: ptx.find(".section") if ".section" in ptx else len(ptx)].splitlines()
+
+
+def _bytes_loaded(lines: list[str]) -> int:
+    """Bytes per thread that the global loads among ``lines`` read (``ld.global[.v2|.v4].bN``)."""
+    total = 0
+    for line in lines:
+        found = re.search(r"ld\.global\S*?(?:\.v(\d))?\.[bfsu](\d+)\s", line)
+        if found:
+            total += int(found.group(1) or 1) * int(found.group(2)) // 8
+    return total
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("split", [False, True])
+def test_pdl_kernel_waits_after_the_weight_and_before_the_rest(split: bool) -> None:
+    """On Hopper's PTX, compiled here: the PDL kernel reads one weight tile (16 x 128 bf16
+    over 128 threads: 32 bytes a thread) before ``griddepcontrol.wait``, and x and every write
+    only after it; the plain kernel never waits."""
+    plain = _hopper_ptx(pdl=False, split=split)
+    assert not any("griddepcontrol" in line for line in plain)
+    lines = _hopper_ptx(pdl=True, split=split)
+    waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    assert len(waits) == 1, waits
+    before, after = lines[: waits[0]], lines[waits[0] :]
+    assert _bytes_loaded(before) == 16 * 128 * 2 // 128, "not the first weight tile alone"
+    assert not any(op in line for line in before for op in ("st.global", "atom.", "red.")), (
+        "a write before the wait"
+    )
+    assert _bytes_loaded(after) >= 2 * 32, "no weight and x tile read after the wait"

@@ -127,20 +127,8 @@ def prepare_small_linear(device: torch.device | str) -> torch.Tensor:
 if HAS_TRITON:
 
     @triton.jit
-    def _weight_tile(w_rows, k_at, n_ok, K, BLOCK_K: tl.constexpr):
-        """The weight's ``[BLOCK_N, BLOCK_K]`` tile at K offset ``k_at`` (zero past K)."""
-        offs_k = k_at + tl.arange(0, BLOCK_K)
-        w_ok = n_ok[:, None] & (offs_k < K)[None, :]
-        return tl.load(w_rows[:, None] + offs_k[None, :], mask=w_ok, other=0.0)
-
-    @triton.jit
-    def _k_step(
-        w, x_rows, k_at, t_ok, K, acc,
-        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    ):  # fmt: skip
-        """``acc + w @ x[:, k_at:k_at + BLOCK_K]^T`` for the weight tile ``w`` at ``k_at``."""
-        offs_k = k_at + tl.arange(0, BLOCK_K)
-        x_ok = t_ok[:, None] & (offs_k < K)[None, :]
+    def _times_rows(w, x_rows, offs_k, x_ok, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """``acc + w @ x[:, offs_k]^T`` for the weight tile ``w`` at ``offs_k``."""
         x = tl.load(x_rows[:, None] + offs_k[None, :], mask=x_ok, other=0.0)
         if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
             w = w.to(tl.float32)
@@ -186,16 +174,23 @@ if HAS_TRITON:
         if PDL:
             # The weight is no earlier kernel's output: request its first step, then wait
             # for the kernel before (its x, and the memory this launch writes) to finish.
-            w = _weight_tile(w_rows, k_first, n_ok, K, BLOCK_K)
+            offs_k = k_first + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows[:, None] + offs_k[None, :], mask=w_ok, other=0.0)
             tl.extra.cuda.gdc_wait()
-            acc = _k_step(w, x_rows, k_first, t_ok, K, acc, BLOCK_K, PRECISION, UPCAST)
+            acc = _times_rows(w, x_rows, offs_k, t_ok[:, None] & k_ok[None, :], acc, PRECISION,
+                              UPCAST)  # fmt: skip
             first_step = 1
         else:
             first_step = 0
         for j in range(first_step, STEPS_PER_SPLIT):
-            k_at = k_first + j * BLOCK_K
-            w = _weight_tile(w_rows, k_at, n_ok, K, BLOCK_K)
-            acc = _k_step(w, x_rows, k_at, t_ok, K, acc, BLOCK_K, PRECISION, UPCAST)
+            offs_k = k_first + j * BLOCK_K + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            x_ok = t_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows[:, None] + offs_k[None, :], mask=w_ok, other=0.0)
+            acc = _times_rows(w, x_rows, offs_k, x_ok, acc, PRECISION, UPCAST)
         out_at = out_ptr + offs_t[None, :].to(tl.int64) * stride_out + offs_n[:, None]
         out_ok = n_ok[:, None] & t_ok[None, :]
         if SPLIT:
