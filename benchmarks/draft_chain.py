@@ -35,6 +35,7 @@ from centroid_argmax import _time_cpu, _time_cuda, bench_setup, kernel_bench_par
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
 from gemma4_spec.ops.small_linear import small_linear, small_linear_reference  # noqa: E402
 from gemma4_spec.ops.small_linear_triton import (  # noqa: E402
+    pdl_capable,
     small_linear_config,
     small_linear_kernel,
 )
@@ -113,10 +114,6 @@ def _pdl_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return small_linear_kernel(x, w, cfg._replace(pdl=True))
 
 
-def _pdl_capable(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
 def _rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest ``|out - ref|`` relative to the RMS of its row of ``ref``."""
     scale = ref.float().pow(2).mean(dim=-1, keepdim=True).sqrt()
@@ -142,7 +139,7 @@ def main() -> None:
     if cuda:
         torch._dynamo.config.recompile_limit = 64  # one graph per row count
         ops = (torch.compile(_norm), torch.compile(_residual_norm), torch.compile(_gelu_mul))
-    pdl = _pdl_capable(device)
+    pdl = pdl_capable(device)
     linears: dict[str, Linear] = {
         "cuBLAS": torch.nn.functional.linear, "ours": small_linear, "ours-pdl": _pdl_linear,
     }  # fmt: skip

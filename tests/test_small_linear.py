@@ -26,6 +26,7 @@ from gemma4_spec.ops.small_linear import (
     small_linear_reference,
     use_small_rows_linear,
 )
+from gemma4_spec.ops.small_linear_triton import pdl_capable
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_TRITON),
@@ -205,7 +206,7 @@ def test_pdl_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 needs_pdl = pytest.mark.skipif(
-    not (torch.cuda.is_available() and HAS_TRITON and torch.cuda.get_device_capability() >= (9, 0)),
+    not (HAS_TRITON and torch.cuda.is_available() and pdl_capable(torch.device("cuda"))),
     reason="needs a CUDA GPU of compute capability 9.0+ (programmatic dependent launch)",
 )
 

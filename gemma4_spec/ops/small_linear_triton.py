@@ -72,16 +72,22 @@ class SmallLinearConfig(NamedTuple):
 
 
 @cache
-def _pdl_capable(index: int) -> bool:
+def _capability_9(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def pdl_usable(device: torch.device) -> bool:
-    """Whether launches on ``device`` use programmatic dependent launch: opted in, CUDA of
-    compute capability 9.0+, not Triton's interpreter (which has no ``gdc_wait``)."""
-    if device.type != "cuda" or _interpreting() or not turned_on(SMALL_LINEAR_PDL_ENV):
+def pdl_capable(device: torch.device) -> bool:
+    """Whether the kernel can be launched with programmatic dependent launch on ``device``:
+    CUDA of compute capability 9.0+, not Triton's interpreter (which has no ``gdc_wait``)."""
+    if device.type != "cuda" or _interpreting():
         return False
-    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+    return _capability_9(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_usable(device: torch.device) -> bool:
+    """Whether launches on ``device`` use programmatic dependent launch: opted in (the switch
+    is read first: off, it is the only check on the launch path) and ``pdl_capable``."""
+    return turned_on(SMALL_LINEAR_PDL_ENV) and pdl_capable(device)
 
 
 def small_linear_config(
