@@ -1,8 +1,6 @@
 """The assistant's layer chain as a draft step runs it: its matmuls and the norms, residual adds
 and activation between them, in one CUDA graph, with the matmuls through cuBLAS (``F.linear``,
-what vLLM runs), our small-rows kernel (``ops/small_linear*.py``) launched as usual, or the same
-kernel with programmatic dependent launch (``SmallLinearConfig.pdl``), and the float32
-reference.
+what vLLM runs), our small-rows kernel (``ops/small_linear*.py``), and the float32 reference.
 
     PYTHONPATH=$PWD python3 benchmarks/draft_chain.py [--tokens 1,2,4,8,16,32] [--reps 200]
         [--json out.json] [--smoke]
@@ -13,11 +11,10 @@ projection's input), so the chain is 17 matmuls with 14 elementwise steps betwee
 torch.compile'd (Inductor) kernel on CUDA as in the compiled draft model. Every variant is
 captured in a CUDA graph and timed by ``centroid_argmax.py``'s harness (cold L2 before each
 replay, CUDA events, the median of ``--reps``); the kernel isolated from its neighbours
-(``small_linear.py``) cannot show what a launch that overlaps the kernel before it earns.
-Columns: us per chain, ``cuBLAS/ours``, ``ours/pdl``, whether the PDL chain's output equals the
-plain launch's bit for bit, and each variant's largest error against the reference relative
-to its row's RMS. On CPU (``--smoke``, ``TRITON_INTERPRET=1``) it only checks that the chain
-runs (no PDL there).
+(``small_linear.py``) leaves out what its neighbours in the graph cost it or save it.
+Columns: us per chain, ``cuBLAS/ours``, and each variant's largest error against the reference
+relative to its row's RMS. On CPU (``--smoke``, ``TRITON_INTERPRET=1``) it only checks that the
+chain runs.
 """
 
 from __future__ import annotations
@@ -34,16 +31,11 @@ from centroid_argmax import _time_cpu, _time_cuda, bench_setup, kernel_bench_par
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
 from gemma4_spec.ops.small_linear import small_linear, small_linear_reference  # noqa: E402
-from gemma4_spec.ops.small_linear_triton import (  # noqa: E402
-    pdl_capable,
-    small_linear_config,
-    small_linear_kernel,
-)
 
 # (hidden, MLP width, query width per layer, backbone): the E2B assistant; a small one for CPU.
 CHAIN = (256, 2048, (2048, 2048, 2048, 4096), 1536)
 SMOKE_CHAIN = (64, 80, (96, 96, 96, 128), 48)
-VARIANTS = ("cuBLAS", "ours", "ours-pdl", "reference")
+VARIANTS = ("cuBLAS", "ours", "reference")
 EPS = 1e-6
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -108,12 +100,6 @@ def chain(
     return linear(x, head["post"])
 
 
-def _pdl_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``small_linear``'s kernel launched with programmatic dependent launch."""
-    cfg = small_linear_config(x.shape[0], w.shape[0], x.shape[1], x.device)
-    return small_linear_kernel(x, w, cfg._replace(pdl=True))
-
-
 def _rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Largest ``|out - ref|`` relative to the RMS of its row of ``ref``."""
     scale = ref.float().pow(2).mean(dim=-1, keepdim=True).sqrt()
@@ -139,16 +125,11 @@ def main() -> None:
     if cuda:
         torch._dynamo.config.recompile_limit = 64  # one graph per row count
         ops = (torch.compile(_norm), torch.compile(_residual_norm), torch.compile(_gelu_mul))
-    pdl = pdl_capable(device)
-    linears: dict[str, Linear] = {
-        "cuBLAS": torch.nn.functional.linear, "ours": small_linear, "ours-pdl": _pdl_linear,
-    }  # fmt: skip
-    variants = [v for v in VARIANTS if v != "ours-pdl" or pdl]
-    if not pdl:
-        print("no programmatic dependent launch here (compute capability 9.0+ and CUDA only)")
+    linears: dict[str, Linear] = {"cuBLAS": torch.nn.functional.linear, "ours": small_linear}
+    variants = VARIANTS
     print(f"draft layer chain, {len(layers)} layers ({dtype}): us per chain")
     print(f"{'T':>3s} " + " ".join(f"{v:>9s}" for v in variants)
-          + f" {'cuBLAS/ours':>11s} {'ours/pdl':>8s} {'pdl==ours':>9s} "
+          + f" {'cuBLAS/ours':>11s} "
           + " ".join(f"{'err ' + v:>12s}" for v in variants if v != "reference"))  # fmt: skip
     gen = torch.Generator().manual_seed(2)
     rows = []
@@ -162,14 +143,11 @@ def main() -> None:
         want = fns["reference"]()
         outs = {v: fns[v]() for v in variants if v != "reference"}
         errors = {v: _rms_error(o, want) for v, o in outs.items()}
-        same = bool(torch.equal(outs["ours-pdl"], outs["ours"])) if pdl else None
         us = {v: timed(fns[v]) for v in variants}
-        pdl_ratio = f"{us['ours'] / us['ours-pdl']:8.2f}" if pdl else f"{'-':>8s}"
-        same_text = {True: "yes", False: "NO", None: "-"}[same]
         print(f"{t:3d} " + " ".join(f"{us[v]:9.2f}" for v in variants)
-              + f" {us['cuBLAS'] / us['ours']:11.2f} {pdl_ratio} {same_text:>9s} "
+              + f" {us['cuBLAS'] / us['ours']:11.2f} "
               + " ".join(f"{errors[v]:12.4f}" for v in errors))  # fmt: skip
-        rows.append({"tokens": t, "us": us, "errors": errors, "pdl_equal": same})
+        rows.append({"tokens": t, "us": us, "errors": errors})
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -29,9 +29,9 @@
 #   profile-real: torch.profiler of real_work.py's engine variants on the trained pair (or
 #         e2b), B = 1 and 16, k = 3, engines started side by side and measured in turn
 #   verify-kernels: after 'install', the capped argmax's tests and benchmark
-#   chain: instead of step 1 (carry part00): the small-rows matmul's CUDA tests (the
-#         programmatic dependent launch's too) and the draft layer chain with cuBLAS, our
-#         kernel, and our kernel with PDL (benchmarks/draft_chain.py); torch + triton only
+#   chain: instead of step 1 (carry part00): the small-rows matmul's CUDA tests and the
+#         draft layer chain with cuBLAS and our kernel (benchmarks/draft_chain.py); torch +
+#         triton only
 #   draft-kernels: after 'install', the small-rows matmul's tests and benchmark
 #         (SMALL_LINEAR_SWEEP=1: also its tile sweep), the flat-verify CUDA tests and
 #         verify_attention.py

@@ -148,13 +148,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_GRAPHED_VERIFY": "0"},
         "spec": {},
     },
-    # The draft's small-rows matmuls launched with programmatic dependent launch
-    # (GEMMA4_SPEC_SMALL_LINEAR_PDL=1, ops/small_linear_triton.py): each may start while the
-    # kernel before it finishes, its first weight tile requested before it waits.
-    "ours-V2-pdl": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_SMALL_LINEAR_PDL": "1"},
-        "spec": {},
-    },
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):
     # what it changes in a first pass.
     "ours-V2-nowarm": {

@@ -13,8 +13,6 @@ one rounding step, in float32 by the order of the sums.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 
@@ -26,7 +24,6 @@ from gemma4_spec.ops.small_linear import (
     small_linear_reference,
     use_small_rows_linear,
 )
-from gemma4_spec.ops.small_linear_triton import pdl_capable
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_TRITON),
@@ -185,140 +182,3 @@ def test_linear_method_routes_unquantized_layers(set_env) -> None:  # type: igno
     x, bias = torch.randn(3, 12), torch.randn(8)
     want = torch.nn.functional.linear(x, layer.weight, bias)
     torch.testing.assert_close(layer.quant_method.apply(layer, x, bias), want)
-
-
-def test_pdl_only_where_it_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Programmatic dependent launch is opt-in, on CUDA of compute capability 9.0+ only, and
-    never under Triton's interpreter (which has no ``gdc_wait``)."""
-    from gemma4_spec.ops.small_linear_triton import SMALL_LINEAR_PDL_ENV, pdl_usable
-
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv(SMALL_LINEAR_PDL_ENV, "1")
-    assert not pdl_usable(torch.device("cpu"))
-    if torch.cuda.is_available():
-        cuda = torch.device("cuda")
-        assert pdl_usable(cuda) == (torch.cuda.get_device_capability() >= (9, 0))
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert not pdl_usable(cuda)
-        monkeypatch.delenv("TRITON_INTERPRET")
-    monkeypatch.delenv(SMALL_LINEAR_PDL_ENV)
-    assert not pdl_usable(torch.device("cuda")), "on without the switch"
-
-
-needs_pdl = pytest.mark.skipif(
-    not (HAS_TRITON and torch.cuda.is_available() and pdl_capable(torch.device("cuda"))),
-    reason="needs a CUDA GPU of compute capability 9.0+ (programmatic dependent launch)",
-)
-
-
-@needs_pdl
-@pytest.mark.parametrize("rows", [1, 8, 32])
-def test_pdl_launch_equals_plain_launch_cuda(rows: int) -> None:
-    """The same sums in the same order: bit for bit the plain launch's output."""
-    from gemma4_spec.ops.small_linear_triton import small_linear_config, small_linear_kernel
-
-    for n, k in ASSISTANT_SHAPES:
-        x, w = _operands(rows, n, k, torch.bfloat16, "cuda", seed=rows)
-        cfg = small_linear_config(rows, n, k, x.device)
-        plain = small_linear_kernel(x, w, cfg._replace(pdl=False))
-        assert torch.equal(small_linear_kernel(x, w, cfg._replace(pdl=True)), plain), (n, k)
-
-
-@needs_pdl
-def test_pdl_launch_waits_for_the_kernel_before_cuda() -> None:
-    """Behind a kernel that lets its dependents start at once and writes ``x`` only after a
-    long spin, a PDL launch (in a CUDA graph, as a draft step's) reads the new ``x``: its
-    ``gdc_wait`` is what holds it. Without the wait it would read ``x`` from before."""
-    import triton
-    import triton.language as tl
-
-    from gemma4_spec.ops.small_linear_triton import small_linear_config, small_linear_kernel
-
-    @triton.jit
-    def _late_copy(src, dst, n, spins, BLOCK: tl.constexpr):
-        tl.extra.cuda.gdc_launch_dependents()  # dependents may start now
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        v = tl.load(src + offs, mask=offs < n)
-        for _ in range(spins):  # a NaN test the compiler cannot fold: v stays v
-            v = tl.where(v != v, v + 1, v)
-        tl.store(dst + offs, v, mask=offs < n)
-
-    for rows, n, k in ((4, 256, 2048), (4, 2048, 256)):  # a split launch and a plain one
-        src, w = _operands(rows, n, k, torch.bfloat16, "cuda")
-        x = torch.zeros_like(src)
-        cfg = small_linear_config(rows, n, k, x.device)._replace(pdl=True)
-
-        def step(src=src, x=x, w=w, cfg=cfg):  # type: ignore[no-untyped-def]
-            _late_copy[(triton.cdiv(x.numel(), 1024),)](src, x, x.numel(), 200_000, BLOCK=1024)
-            return small_linear_kernel(x, w, cfg)
-
-        step()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = step()
-        for seed in range(3):
-            fresh, _ = _operands(rows, n, k, torch.bfloat16, "cuda", seed=seed + 20)
-            src.copy_(fresh)
-            x.zero_()
-            graph.replay()
-            torch.cuda.synchronize()
-            want = small_linear_kernel(fresh, w, cfg._replace(pdl=False))
-            assert torch.equal(out, want), (rows, n, k, seed)
-
-
-def _hopper_ptx(pdl: bool, split: bool) -> list[str]:
-    """The kernel's PTX for sm_90, compiled ahead of time (no GPU needed), as lines."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from gemma4_spec.ops.small_linear_triton import _small_linear_kernel
-
-    pointers = {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
-                "out_ptr": "*bf16"}  # fmt: skip
-    scalars = ("T", "N", "K", "stride_x", "stride_w", "stride_out", "SPLITS", "STEPS_PER_SPLIT")
-    constants = {"BLOCK_T": 16, "BLOCK_N": 16, "BLOCK_K": 128, "SPLIT": split,
-                 "PRECISION": "tf32", "UPCAST": False, "PDL": pdl}  # fmt: skip
-    signature = {
-        **pointers,
-        **dict.fromkeys(scalars, "i32"),
-        **dict.fromkeys(constants, "constexpr"),
-    }
-    source = ASTSource(fn=_small_linear_kernel, signature=signature, constexprs=constants)
-    try:
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4, "num_stages": 3})  # fmt: skip
-    except (RuntimeError, FileNotFoundError, TypeError) as err:
-        # no ptxas or CUDA backend in this triton, or its compile API differs (written for 3.9)
-        pytest.skip(f"cannot compile for sm_90 here: {err}")
-    ptx = compiled.asm["ptx"]
-    return ptx[: ptx.find(".section") if ".section" in ptx else len(ptx)].splitlines()
-
-
-def _bytes_loaded(lines: list[str]) -> int:
-    """Bytes per thread that the global loads among ``lines`` read (``ld.global[.v2|.v4].bN``)."""
-    total = 0
-    for line in lines:
-        found = re.search(r"ld\.global\S*?(?:\.v(\d))?\.[bfsu](\d+)\s", line)
-        if found:
-            total += int(found.group(1) or 1) * int(found.group(2)) // 8
-    return total
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.parametrize("split", [False, True])
-def test_pdl_kernel_waits_after_the_weight_and_before_the_rest(split: bool) -> None:
-    """On Hopper's PTX, compiled here: the PDL kernel reads one weight tile (16 x 128 bf16
-    over 128 threads: 32 bytes a thread) before ``griddepcontrol.wait``, and x and every write
-    only after it; the plain kernel never waits."""
-    plain = _hopper_ptx(pdl=False, split=split)
-    assert not any("griddepcontrol" in line for line in plain)
-    lines = _hopper_ptx(pdl=True, split=split)
-    waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
-    assert len(waits) == 1, waits
-    before, after = lines[: waits[0]], lines[waits[0] :]
-    assert _bytes_loaded(before) == 16 * 128 * 2 // 128, "not the first weight tile alone"
-    assert not any(op in line for line in before for op in ("st.global", "atom.", "red.")), (
-        "a write before the wait"
-    )
-    assert _bytes_loaded(after) >= 2 * 32, "no weight and x tile read after the wait"

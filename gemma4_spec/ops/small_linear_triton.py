@@ -17,13 +17,6 @@ Sizes (``small_linear_config``): ``BLOCK_T`` the next power of two >= T from 16 
 splits only for K of 4 steps or more, as many as bring the programs to about one per SM, at
 least 2 steps each.
 
-Programmatic dependent launch (``pdl``, opt-in with ``GEMMA4_SPEC_SMALL_LINEAR_PDL=1``, on
-compute capability 9.0+): the launch may start while the kernel before it on the stream
-finishes. A program then requests its first K step of the weight (which no earlier kernel
-writes) before it waits for that kernel (``gdc_wait``), and reads ``x`` and writes anything
-only after, so the weight's trip to memory overlaps the earlier kernel's end (a draft step is a
-chain of such latency-bound kernels).
-
 Counters are per device (``prepare_small_linear``, called by the linear method after the
 weights load, outside any graph capture). Launches sharing them must not run concurrently on
 different streams. Under Triton's CPU interpreter (``TRITON_INTERPRET=1``) the kernel runs on
@@ -32,7 +25,6 @@ CPU tensors (programs one after another: the last-arriving sum still holds).
 
 from __future__ import annotations
 
-from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -42,9 +34,7 @@ from gemma4_spec.ops.centroid_argmax_triton import (
     _capturing,
     _device_sms,
     _dot_precision,
-    _interpreting,
 )
-from gemma4_spec.switches import turned_on
 
 if HAS_TRITON:
     import triton
@@ -55,7 +45,6 @@ BLOCK_K = 128
 MIN_STEPS_PER_SPLIT = 2
 INTERPRET_SMS = 4  # "SM count" under the interpreter: several splits in small tests
 COUNTER_CAPACITY = 4096  # tiles of a split launch; splits run only below one tile per SM
-SMALL_LINEAR_PDL_ENV = "GEMMA4_SPEC_SMALL_LINEAR_PDL"
 
 
 class SmallLinearConfig(NamedTuple):
@@ -68,26 +57,6 @@ class SmallLinearConfig(NamedTuple):
     steps_per_split: int
     num_warps: int
     num_stages: int
-    pdl: bool = False  # programmatic dependent launch (module docstring)
-
-
-@cache
-def _capability_9(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def pdl_capable(device: torch.device) -> bool:
-    """Whether the kernel can be launched with programmatic dependent launch on ``device``:
-    CUDA of compute capability 9.0+, not Triton's interpreter (which has no ``gdc_wait``)."""
-    if device.type != "cuda" or _interpreting():
-        return False
-    return _capability_9(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def pdl_usable(device: torch.device) -> bool:
-    """Whether launches on ``device`` use programmatic dependent launch: opted in (the switch
-    is read first: off, it is the only check on the launch path) and ``pdl_capable``."""
-    return turned_on(SMALL_LINEAR_PDL_ENV) and pdl_capable(device)
 
 
 def small_linear_config(
@@ -107,9 +76,8 @@ def small_linear_config(
     per_split = triton.cdiv(steps, splits)
     splits = triton.cdiv(steps, per_split)  # no split without steps
     return SmallLinearConfig(
-        block_t, block_n, block_k, splits, per_split, num_warps=4, num_stages=3,
-        pdl=pdl_usable(device),
-    )  # fmt: skip
+        block_t, block_n, block_k, splits, per_split, num_warps=4, num_stages=3
+    )
 
 
 _COUNTERS: dict[str, torch.Tensor] = {}
@@ -132,15 +100,6 @@ def prepare_small_linear(device: torch.device | str) -> torch.Tensor:
 
 if HAS_TRITON:
 
-    @triton.jit
-    def _times_rows(w, x_rows, offs_k, x_ok, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-        """``acc + w @ x[:, offs_k]^T`` for the weight tile ``w`` at ``offs_k``."""
-        x = tl.load(x_rows[:, None] + offs_k[None, :], mask=x_ok, other=0.0)
-        if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        return tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-
     @triton.jit(do_not_specialize=["T"])
     def _small_linear_kernel(
         x_ptr,  # [T, K]
@@ -162,7 +121,6 @@ if HAS_TRITON:
         SPLIT: tl.constexpr,  # SPLITS > 1
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
-        PDL: tl.constexpr,  # launched with programmatic dependent launch
     ):
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(N, BLOCK_N)
@@ -177,26 +135,17 @@ if HAS_TRITON:
         x_rows = x_ptr + offs_t.to(tl.int64) * stride_x
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
         k_first = s * STEPS_PER_SPLIT * BLOCK_K
-        if PDL:
-            # The weight is no earlier kernel's output: request its first step, then wait
-            # for the kernel before (its x, and the memory this launch writes) to finish.
-            offs_k = k_first + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            w_ok = n_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows[:, None] + offs_k[None, :], mask=w_ok, other=0.0)
-            tl.extra.cuda.gdc_wait()
-            acc = _times_rows(w, x_rows, offs_k, t_ok[:, None] & k_ok[None, :], acc, PRECISION,
-                              UPCAST)  # fmt: skip
-            first_step = 1
-        else:
-            first_step = 0
-        for j in range(first_step, STEPS_PER_SPLIT):
+        for j in range(0, STEPS_PER_SPLIT):
             offs_k = k_first + j * BLOCK_K + tl.arange(0, BLOCK_K)
             k_ok = offs_k < K
             w_ok = n_ok[:, None] & k_ok[None, :]
             x_ok = t_ok[:, None] & k_ok[None, :]
             w = tl.load(w_rows[:, None] + offs_k[None, :], mask=w_ok, other=0.0)
-            acc = _times_rows(w, x_rows, offs_k, x_ok, acc, PRECISION, UPCAST)
+            x = tl.load(x_rows[:, None] + offs_k[None, :], mask=x_ok, other=0.0)
+            if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
         out_at = out_ptr + offs_t[None, :].to(tl.int64) * stride_out + offs_n[:, None]
         out_ok = n_ok[:, None] & t_ok[None, :]
         if SPLIT:
@@ -244,7 +193,6 @@ def small_linear_kernel(
         x, weight, part, counters, out, rows, columns, depth, x.stride(0), weight.stride(0),
         out.stride(0), cfg.splits, cfg.steps_per_split, BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, PRECISION=precision,
-        UPCAST=upcast, PDL=cfg.pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"launch_pdl": True} if cfg.pdl else {}),
+        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
