@@ -90,6 +90,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the plugin's default.
     "ours-V1": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "spec": {}},
     "ours-V2": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "spec": {}},
+    # Ours on V1 without its V1-only host shortcuts (vLLM's own verification index arrays,
+    # carried-token writes and draft-start methods; Triton launches and draft sampling not
+    # replayed from graphs), the whole-loop draft graph kept: what those shortcuts earn on
+    # real work, where they have only been measured with nothing accepted.
+    "ours-V1-vllmhost": {
+        "env": {
+            "VLLM_USE_V2_MODEL_RUNNER": "0",
+            "GEMMA4_SPEC_VERIFY_METADATA": "0",
+            "GEMMA4_SPEC_VERIFY_INPUT_IDS": "0",
+            "GEMMA4_SPEC_DRAFT_START": "0",
+            "GEMMA4_SPEC_GRAPHED_LAUNCHES": "0",
+            "GEMMA4_SPEC_SAMPLER_GRAPHS": "0",
+        },
+        "spec": {},
+    },
     # Diagnostic, not run unless named in --variants: ours on V2 without the split-key
     # verification attention (patch/patch_triton_attn.py), to measure what it earns in one run.
     "ours-V2-noflat": {
