@@ -1,0 +1,100 @@
+"""What the first replay of a captured CUDA graph costs against its later replays.
+
+Every engine's first pass at a new batch size replays graphs captured at start-up but never
+replayed: the target's graph of each padded size the batch passes through (its requests finish
+at different steps), and ours' draft and verification graphs. If a graph's first replay costs
+milliseconds (the driver uploading it to the device on its first launch), a first pass pays it
+once for every size it meets, in every engine, which would fit first passes slower than the
+passes right after them with no lazy work recorded. This captures ``--graphs`` graphs of
+``--nodes`` kernels each (small matmuls and elementwise kernels, in one memory pool as vLLM's
+are), then times each graph's first replay and its next ones (host wall time to the end of the
+GPU's work, and CUDA events). Needs torch and CUDA only.
+
+    python benchmarks/graph_first_replay.py [--nodes 100,400,1200] [--graphs 8] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+
+def _step(x: torch.Tensor, ws: list[torch.Tensor], nodes: int) -> torch.Tensor:
+    """``nodes`` kernels: a small matmul, then two elementwise kernels, in turn."""
+    for i in range(nodes):
+        x = x @ ws[i % len(ws)] if i % 3 == 0 else torch.tanh(x)
+    return x
+
+
+def _timed(fn: object) -> tuple[float, float]:
+    """Host wall ms to the end of the GPU's work, and CUDA-event ms, of one call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start.record()
+    fn()  # type: ignore[operator]
+    end.record()
+    end.synchronize()
+    return (time.perf_counter() - t0) * 1e3, start.elapsed_time(end)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", default="100,400,1200")
+    parser.add_argument("--graphs", type=int, default=8)
+    parser.add_argument("--replays", type=int, default=5, help="timed replays after the first")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA")
+    dev = torch.device("cuda")
+    ws = [torch.randn(256, 256, device=dev) / 16 for _ in range(4)]
+    rows = []
+    print("graph replays, ms: first / median of the next (host wall; CUDA events)")
+    for nodes in [int(n) for n in args.nodes.split(",")]:
+        graphs, inputs = [], []
+        pool = torch.cuda.graph_pool_handle()  # one per size: the last size's graphs are freed
+        for g in range(args.graphs):
+            x = torch.randn(8 * (g + 1), 256, device=dev)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture, as vLLM does
+                _step(x, ws, nodes)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                _step(x, ws, nodes)
+            graphs.append(graph)
+            inputs.append(x)
+        torch.cuda.synchronize()
+        firsts, nexts = [], []
+        for graph in graphs:
+            first = _timed(graph.replay)
+            later = [_timed(graph.replay) for _ in range(args.replays)]
+            firsts.append(first)
+            nexts.append(
+                (statistics.median(t[0] for t in later), statistics.median(t[1] for t in later))
+            )
+        f_wall = statistics.median(f[0] for f in firsts)
+        f_ev = statistics.median(f[1] for f in firsts)
+        n_wall = statistics.median(n[0] for n in nexts)
+        n_ev = statistics.median(n[1] for n in nexts)
+        print(
+            f"  {nodes:5d} kernels: first {f_wall:7.3f} / next {n_wall:7.3f} "
+            f"(events {f_ev:7.3f} / {n_ev:7.3f}); first minus next {f_wall - n_wall:6.3f} ms "
+            f"over {args.graphs} graphs (max first {max(f[0] for f in firsts):.3f})"
+        )
+        rows.append(
+            {"nodes": nodes, "first": firsts, "next": nexts, "first_minus_next_ms": f_wall - n_wall}
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
