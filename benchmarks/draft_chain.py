@@ -126,11 +126,10 @@ def main() -> None:
         torch._dynamo.config.recompile_limit = 64  # one graph per row count
         ops = (torch.compile(_norm), torch.compile(_residual_norm), torch.compile(_gelu_mul))
     linears: dict[str, Linear] = {"cuBLAS": torch.nn.functional.linear, "ours": small_linear}
-    variants = VARIANTS
     print(f"draft layer chain, {len(layers)} layers ({dtype}): us per chain")
-    print(f"{'T':>3s} " + " ".join(f"{v:>9s}" for v in variants)
+    print(f"{'T':>3s} " + " ".join(f"{v:>9s}" for v in VARIANTS)
           + f" {'cuBLAS/ours':>11s} "
-          + " ".join(f"{'err ' + v:>12s}" for v in variants if v != "reference"))  # fmt: skip
+          + " ".join(f"{'err ' + v:>12s}" for v in VARIANTS if v != "reference"))  # fmt: skip
     gen = torch.Generator().manual_seed(2)
     rows = []
     for t in [int(x) for x in args.tokens.split(",")]:
@@ -141,10 +140,10 @@ def main() -> None:
         fns["reference"] = lambda h=h: chain(h.float(), layers32, head32, small_linear_reference,
                                             plain_ops)  # fmt: skip
         want = fns["reference"]()
-        outs = {v: fns[v]() for v in variants if v != "reference"}
+        outs = {v: fns[v]() for v in VARIANTS if v != "reference"}
         errors = {v: _rms_error(o, want) for v, o in outs.items()}
-        us = {v: timed(fns[v]) for v in variants}
-        print(f"{t:3d} " + " ".join(f"{us[v]:9.2f}" for v in variants)
+        us = {v: timed(fns[v]) for v in VARIANTS}
+        print(f"{t:3d} " + " ".join(f"{us[v]:9.2f}" for v in VARIANTS)
               + f" {us['cuBLAS'] / us['ours']:11.2f} "
               + " ".join(f"{errors[v]:12.4f}" for v in errors))  # fmt: skip
         rows.append({"tokens": t, "us": us, "errors": errors})

@@ -1,14 +1,15 @@
 """What the first replay of a captured CUDA graph costs against its later replays.
 
 Every engine's first pass at a new batch size replays graphs captured at start-up but never
-replayed: the target's graph of each padded size the batch passes through (its requests finish
-at different steps), and ours' draft and verification graphs. If a graph's first replay costs
-milliseconds (the driver uploading it to the device on its first launch), a first pass pays it
-once for every size it meets, in every engine, which would fit first passes slower than the
-passes right after them with no lazy work recorded. This captures ``--graphs`` graphs of
-``--nodes`` kernels each (small matmuls and elementwise kernels, in one memory pool as vLLM's
-are), then times each graph's first replay and its next ones (host wall time to the end of the
-GPU's work, and CUDA events). Needs torch and CUDA only.
+replayed: on Model Runner V2, the target's graph of each padded size the batch passes through
+(its requests finish at different steps), and ours' draft-loop graphs, which vLLM's graph
+manager captures (ours' verification graphs are launched once when captured). If a graph's
+first replay costs milliseconds (the driver uploading it to the device on its first launch), a
+first pass pays it once for every size it meets, in every engine, which would fit first passes
+slower than the passes right after them with no lazy work recorded. This captures
+``--graphs`` graphs of ``--nodes`` kernels each (small matmuls and elementwise kernels, in one
+memory pool as vLLM's are), then times each graph's first replay and its next ones (host wall
+time to the end of the GPU's work, and CUDA events). Needs torch and CUDA only.
 
     python benchmarks/graph_first_replay.py [--nodes 100,400,1200] [--graphs 8] [--json F]
 """
@@ -19,6 +20,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,13 +33,13 @@ def _step(x: torch.Tensor, ws: list[torch.Tensor], nodes: int) -> torch.Tensor:
     return x
 
 
-def _timed(fn: object) -> tuple[float, float]:
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     """Host wall ms to the end of the GPU's work, and CUDA-event ms, of one call."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     start.record()
-    fn()  # type: ignore[operator]
+    fn()
     end.record()
     end.synchronize()
     return (time.perf_counter() - t0) * 1e3, start.elapsed_time(end)
@@ -57,7 +59,7 @@ def main() -> None:
     rows = []
     print("graph replays, ms: first / median of the next (host wall; CUDA events)")
     for nodes in [int(n) for n in args.nodes.split(",")]:
-        graphs, inputs = [], []
+        graphs, inputs = [], []  # the inputs too: each graph reads its own from its capture
         pool = torch.cuda.graph_pool_handle()  # one per size: the last size's graphs are freed
         for g in range(args.graphs):
             x = torch.randn(8 * (g + 1), 256, device=dev)
