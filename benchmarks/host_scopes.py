@@ -27,6 +27,9 @@ SCOPES: tuple[tuple[int, str], ...] = (
     (2, "vllm.v1.core.sched.scheduler:Scheduler.schedule"),
     # One call a running request a step: the KV-cache groups' block accounting.
     (3, "vllm.v1.core.kv_cache_manager:KVCacheManager.allocate_slots"),
+    # Ours' short cut of it (patch/patch_allocate_slots.py): every call of an engine that has
+    # it; the one above then counts the calls it leaves to vLLM's method.
+    (3, "gemma4_spec.patch.patch_allocate_slots:FastAllocateSlots.__call__"),
     (2, "vllm.v1.core.sched.scheduler:Scheduler.update_from_output"),
     (2, "vllm.v1.core.sched.scheduler:Scheduler.update_draft_token_ids"),
     (2, "vllm.v1.worker.gpu_model_runner:GPUModelRunner.execute_model"),

@@ -163,6 +163,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_GRAPHED_VERIFY": "0"},
         "spec": {},
     },
+    # vLLM's own allocate_slots for every request a step (patch/patch_allocate_slots.py off):
+    # what the decode-step short cut earns in one run.
+    "ours-V2-vllmalloc": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FAST_ALLOCATE": "0"},
+        "spec": {},
+    },
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):
     # what it changes in a first pass.
     "ours-V2-nowarm": {

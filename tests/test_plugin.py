@@ -27,6 +27,7 @@ from gemma4_spec import plugin
 from gemma4_spec.compat import SUPPORTED_VLLM, UnsupportedVLLMVersionError, check_vllm_version
 from gemma4_spec.patch import (
     hooks,
+    patch_allocate_slots,
     patch_cpu_expand,
     patch_cpu_generators,
     patch_engine_args,
@@ -118,6 +119,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_v2_speculator.SPECULATOR_MODULE,
         patch_v2_rejection_sampler.V2_REJECTION_SAMPLER_MODULE,
         patch_v2_sample.V2_RUNNER_MODULE,
+        patch_allocate_slots.SCHEDULER_MODULE,
     ]
     assert [cb for _, cb in fresh_plugin["when_imported"]] == [
         patch_engine_args.apply,
@@ -133,6 +135,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_v2_speculator.apply,
         patch_v2_rejection_sampler.apply,
         patch_v2_sample.apply,
+        patch_allocate_slots.apply,
     ]
     entry = ModelRegistry.models[plugin.ASSISTANT_ARCHITECTURE]
     assert f"{entry.module_name}:{entry.class_name}" == plugin.MODEL_CLASS

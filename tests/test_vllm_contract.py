@@ -184,6 +184,49 @@ def _v2_draft_loop_interfaces() -> Iterator[str]:
         yield from contract.problems()
 
 
+def _fast_allocate_interfaces() -> Iterator[str]:
+    """What ``patch/patch_allocate_slots.py`` reads of vLLM, on the versions it is installed on
+    (``compat.FAST_ALLOCATE_VLLM``)."""
+    from gemma4_spec.compat import fast_allocate_supported
+
+    if not fast_allocate_supported():
+        return
+    core = "vllm.v1.core"
+    checks: tuple[Contract, ...] = (
+        Attributes(f"{core}.sched.scheduler:Scheduler", ("vllm_config", "kv_cache_manager")),
+        # The call the scheduler makes for a running request, and what the short cut reads.
+        Params(
+            f"{core}.kv_cache_manager:KVCacheManager.allocate_slots",
+            positional=("request", "num_new_tokens"),
+            keywords=("num_lookahead_tokens",),
+        ),
+        Attributes(
+            f"{core}.kv_cache_manager:KVCacheManager",
+            ("max_model_len", "enable_caching", "empty_kv_cache_blocks", "coordinator"),
+        ),
+        Attributes(f"{core}.kv_cache_coordinator:KVCacheCoordinator", ("single_type_managers",)),
+        Params(
+            f"{core}.kv_cache_coordinator:KVCacheCoordinator.cache_blocks",
+            positional=("request", "num_computed_tokens"),
+        ),
+        Attributes(
+            f"{core}.single_type_kv_cache_manager:SingleTypeKVCacheManager",
+            ("req_to_blocks", "_partial_hit_reqs", "_null_block", "block_size"),
+        ),
+        Exists(
+            f"{core}.single_type_kv_cache_manager:SingleTypeKVCacheManager.get_num_skipped_tokens",
+            "callable",
+        ),
+        Attributes(
+            "vllm.v1.request:Request",
+            ("request_id", "status", "num_computed_tokens", "num_in_flight_tokens"),
+        ),
+        Exists("vllm.v1.request:RequestStatus.RUNNING"),
+    )
+    for contract in checks:
+        yield from contract.problems()
+
+
 def _v2_greedy_verify_interfaces() -> Iterator[str]:
     """What ``patch/patch_v2_rejection_sampler.py`` reads of vLLM, on the versions it is
     installed on (``compat.V2_GREEDY_VERIFY_VLLM``)."""
@@ -703,6 +746,8 @@ CONTRACTS: tuple[Contract, ...] = (
     Check("V2 draft loop interfaces", _v2_draft_loop_interfaces),
     # patch/patch_v2_rejection_sampler.py (0.26): what its gate and fast path read.
     Check("V2 greedy verification interfaces", _v2_greedy_verify_interfaces),
+    # patch/patch_allocate_slots.py: the decode-step short cut of the scheduler's KV slots.
+    Check("fast allocate_slots interfaces", _fast_allocate_interfaces),
     Attributes("vllm.config:SpeculativeConfig", ("use_local_argmax_reduction",)),
     # patch/patch_v2_warmup.py: the worker's name for V2's warm-up, which we wrap, and the
     # request cap it sizes its batch by.

@@ -1,0 +1,177 @@
+"""Engine runs that check the fast ``allocate_slots`` (``patch/patch_allocate_slots.py``) against
+vLLM's own method on every call it would short-cut.
+
+In a checked run, each call the short cut accepts is, every other time, given to vLLM's method
+instead, on the real state, which must then free nothing, allocate nothing and return vLLM's empty
+blocks (the short cut's claim); the calls in between take the short cut, so the engine also runs
+on its results. A sabotaged run drops one of the short cut's checks and gives every accepted call
+to vLLM's method: its wrong verdicts must show up as mismatches (the control of the check).
+``run_checked`` runs configurations in a fresh process (vLLM's single-process mode).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gemma4_spec.testing.engine_run import RunConfig, generate
+
+# The short cut's checks a sabotaged run drops (they always pass there).
+SABOTAGES = ("slots", "window")
+
+
+@dataclass
+class AllocateCounts:
+    # Short cuts checked against vLLM's method / taken / vLLM's method called for the rest.
+    checked: int = 0
+    taken: int = 0
+    general: int = 0
+    # Checked short cuts where vLLM's method freed or allocated blocks: (request, what differed).
+    mismatches: list[str] = field(default_factory=list)
+    # Calls of vLLM's method (outside the checks) that freed or allocated blocks.
+    general_changes: int = 0
+    # Prefix-cache lookups (one a request admitted: more than the requests means preemption),
+    # the tokens they found, and the blocks the prefix cache holds at the end.
+    lookups: int = 0
+    prefix_hit_tokens: int = 0
+    cached_blocks: int = 0
+    # The most tokens in flight a request had (async scheduling), and whether the fast
+    # ``allocate_slots`` was installed.
+    max_in_flight_tokens: int = 0
+    installed: bool = False
+
+
+@dataclass
+class CheckedRun:
+    token_ids: list[list[int]]
+    counts: AllocateCounts
+
+
+_counts = AllocateCounts()
+# The scheduler's KV cache manager of the run going on.
+_manager: Any = None
+
+
+def _state(kv_cache_manager: Any, request_id: str) -> tuple[int, tuple[tuple[int, ...], ...]]:
+    """Free blocks, and the request's block ids in each group."""
+    return kv_cache_manager.block_pool.get_num_free_blocks(), tuple(
+        tuple(block.block_id for block in manager.req_to_blocks.get(request_id, ()))
+        for manager in kv_cache_manager.coordinator.single_type_managers
+    )
+
+
+def install_check(sabotage: str | None) -> None:
+    """Replace ``FastAllocateSlots.__call__`` with the checking one, and count prefix hits."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    from gemma4_spec.patch.patch_allocate_slots import FastAllocateSlots
+
+    if sabotage == "slots":
+        FastAllocateSlots.holds_slots = staticmethod(lambda manager, blocks, slots: True)
+    elif sabotage == "window":
+        FastAllocateSlots.nothing_leaves_window = staticmethod(
+            lambda manager, blocks, processed: True
+        )
+    elif sabotage is not None:
+        raise ValueError(f"sabotage {sabotage!r} is not one of {SABOTAGES}")
+
+    def checked_call(
+        self: FastAllocateSlots, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        _counts.installed = True
+        _counts.max_in_flight_tokens = max(
+            _counts.max_in_flight_tokens, request.num_in_flight_tokens
+        )
+        manager = self.kv_cache_manager
+        accepted = (
+            not args
+            and kwargs.keys() <= {"num_lookahead_tokens"}
+            and num_new_tokens > 0
+            and self.nothing_to_free_or_allocate(
+                request, num_new_tokens, kwargs.get("num_lookahead_tokens", 0)
+            )
+        )
+        if accepted and (sabotage is None and (_counts.checked + _counts.taken) % 2 == 1):
+            _counts.taken += 1
+            return self.cache_and_return(request, num_new_tokens)
+        before = _state(manager, request.request_id)
+        result = self.general(request, num_new_tokens, *args, **kwargs)
+        after = _state(manager, request.request_id)
+        changed = result is not manager.empty_kv_cache_blocks or before != after
+        if accepted:
+            _counts.checked += 1
+            if changed:
+                _counts.mismatches.append(f"{request.request_id}: {before} -> {after}")
+        else:
+            _counts.general += 1
+            _counts.general_changes += changed
+        return result
+
+    FastAllocateSlots.__call__ = checked_call  # type: ignore[method-assign]
+
+    original_lookup = KVCacheManager.get_computed_blocks
+
+    def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        global _manager
+        _manager = self
+        found = original_lookup(self, request, *args, **kwargs)
+        _counts.lookups += 1
+        _counts.prefix_hit_tokens += found[1]
+        return found
+
+    KVCacheManager.get_computed_blocks = get_computed_blocks  # type: ignore[method-assign]
+
+
+def run_checked(
+    configs: list[RunConfig],
+    *,
+    sabotage: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 1200,
+) -> list[CheckedRun]:
+    """Each config's run, checked, in one new interpreter (in order)."""
+    child_env = {**os.environ, **(env or {})}
+    child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        request, response = Path(tmp) / "config.json", Path(tmp) / "result.json"
+        request.write_text(
+            json.dumps({"configs": [asdict(c) for c in configs], "sabotage": sabotage})
+        )
+        proc = subprocess.run(
+            [sys.executable, "-m", __name__, str(request), str(response)],
+            env=child_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"checked run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                f"{proc.stderr[-20000:]}"
+            )
+        data = json.loads(response.read_text())
+    return [CheckedRun(d["token_ids"], AllocateCounts(**d["counts"])) for d in data]
+
+
+def _main(request: str, response: str) -> None:
+    global _counts
+    spec = json.loads(Path(request).read_text())
+    install_check(spec["sabotage"])
+    runs = []
+    for config in spec["configs"]:
+        _counts = AllocateCounts()
+        result = generate(RunConfig(**config), single_process=True)
+        _counts.cached_blocks = len(_manager.block_pool.cached_block_hash_to_block)
+        runs.append({"token_ids": result.token_ids, "counts": asdict(_counts)})
+    Path(response).write_text(json.dumps(runs))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])
