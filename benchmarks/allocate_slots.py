@@ -46,12 +46,15 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3)
     args = parser.parse_args()
 
+    import torch
     from vllm import LLM, SamplingParams
 
     from gemma4_spec.assets import tiny_gsm8k_pair
     from gemma4_spec.patch.patch_allocate_slots import FastAllocateSlots
 
     target, assistant = tiny_gsm8k_pair()
+    # On a GPU: the Triton attention every CUDA GPU vLLM supports has (eager, no graphs).
+    gpu = {"attention_config": {"backend": "TRITON_ATTN"}} if torch.cuda.is_available() else {}
     llm = LLM(
         model=str(target),
         skip_tokenizer_init=True,
@@ -65,6 +68,7 @@ def main() -> None:
             "model": str(assistant),
             "num_speculative_tokens": args.k,
         },
+        **gpu,
     )
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     manager = scheduler.kv_cache_manager
