@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemma4_spec.testing.engine_run import RunConfig, generate
+from gemma4_spec.testing.engine_run import RunConfig, generate, run_json_module
 
 # The short cut's checks a sabotaged run drops (they always pass there).
 SABOTAGES = ("slots", "window")
@@ -139,24 +137,8 @@ def run_checked(
     """Each config's run, checked, in one new interpreter (in order)."""
     child_env = {**os.environ, **(env or {})}
     child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    with tempfile.TemporaryDirectory() as tmp:
-        request, response = Path(tmp) / "config.json", Path(tmp) / "result.json"
-        request.write_text(
-            json.dumps({"configs": [asdict(c) for c in configs], "sabotage": sabotage})
-        )
-        proc = subprocess.run(
-            [sys.executable, "-m", __name__, str(request), str(response)],
-            env=child_env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"checked run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                f"{proc.stderr[-20000:]}"
-            )
-        data = json.loads(response.read_text())
+    payload = {"configs": [asdict(c) for c in configs], "sabotage": sabotage}
+    data = run_json_module(__name__, payload, env=child_env, timeout=timeout, what="checked run")
     return [CheckedRun(d["token_ids"], AllocateCounts(**d["counts"])) for d in data]
 
 

@@ -429,23 +429,34 @@ def generate_in_subprocess(
     child_env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         child_env["VLLM_PLUGINS"] = plugins
+    data = run_json_module(
+        __name__, [asdict(c) for c in configs], env=child_env, timeout=timeout, what="engine run"
+    )
+    return [RunResult(**d) for d in data]
+
+
+def run_json_module(
+    module: str, payload: Any, *, env: Mapping[str, str], timeout: float, what: str
+) -> Any:
+    """Run ``python -m module REQUEST RESPONSE`` in a new interpreter with environment ``env``:
+    ``payload`` goes in REQUEST as JSON, and what the module writes to RESPONSE comes back.
+    A failing run raises with the end of its output (``what`` names it)."""
     with tempfile.TemporaryDirectory() as tmp:
         request, response = Path(tmp) / "config.json", Path(tmp) / "result.json"
-        request.write_text(json.dumps([asdict(c) for c in configs]))
+        request.write_text(json.dumps(payload))
         proc = subprocess.run(
-            [sys.executable, "-m", __name__, str(request), str(response)],
-            env=child_env,
+            [sys.executable, "-m", module, str(request), str(response)],
+            env=dict(env),
             capture_output=True,
             text=True,
             timeout=timeout,
         )
         if proc.returncode != 0:
             raise RuntimeError(
-                f"engine run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
                 f"{proc.stderr[-20000:]}"
             )
-        data = json.loads(response.read_text())
-    return [RunResult(**d) for d in data]
+        return json.loads(response.read_text())
 
 
 _ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception): .*)$")
