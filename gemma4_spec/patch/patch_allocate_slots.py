@@ -2,15 +2,15 @@
 
 Wraps: ``vllm.v1.core.sched.scheduler.Scheduler.__init__``, to give the scheduler's
 ``KVCacheManager`` an ``allocate_slots`` of its own (an instance attribute; the class and every
-other engine's manager are left alone). vLLM 0.26 - 0.32 (``FAST_ALLOCATE_VLLM``).
+other engine's manager are left alone). vLLM 0.26 and 0.32 (``FAST_ALLOCATE_VLLM``).
 
 Why: the scheduler calls ``allocate_slots`` for every running request on every step. Its general
 path visits each KV cache group three times (free the blocks a sliding window left behind, count
 the blocks the step needs, allocate them) and then caches the newly full blocks. On a decode step
 a request usually needs no new block and has no block leaving its window (a block of 16 to 256
-tokens fills once in several steps), yet those visits cost ~20 us a request a step on a Gemma 4
-target's four groups: 0.4 / 0.8 / 1.2 ms of a 5 - 7 ms host step at 16 / 32 / 64 requests
-(``benchmarks/results/h200``), and the E2B-shaped engines are host-bound there.
+tokens fills once in several steps), yet those visits, over a Gemma 4 target's four groups, are
+most of the scheduler's host time, which grows with the batch where the E2B-shaped engines are
+host-bound (``benchmarks/results/h200``, ``benchmarks/allocate_slots.py``).
 
 What it does: for the call the scheduler makes for a running request (the request, its token
 count and ``num_lookahead_tokens``; any other argument takes vLLM's path), it checks in one pass
@@ -25,12 +25,12 @@ over the groups that vLLM's first three visits would change nothing:
 Then, with nothing freed or allocated and no free block needed, the only work left in vLLM's
 method is caching the full blocks, which it does through the same coordinator call, and the
 result is vLLM's empty ``KVCacheBlocks``. Otherwise vLLM's method runs. The checks read the
-managers' own ``req_to_blocks``, ``num_cached_block``, ``get_num_skipped_tokens`` and null block,
+managers' own ``req_to_blocks``, ``_partial_hit_reqs``, ``get_num_skipped_tokens`` and null block,
 and hold for managers whose freeing, counting and allocating are the base classes' (full
 attention and sliding window in these versions); a manager or coordinator that overrides any of
 them keeps vLLM's path for the whole engine. ``tests/test_allocate_slots.py`` runs engines with
-vLLM's method checking every verdict (sliding windows, prefix caching on and off, chunked
-prefill, preemption), and a wrong verdict failing that check.
+vLLM's method checking every other verdict (sliding windows, prefix caching on and off, chunked
+prefill, preemption, async scheduling on a GPU), and a wrong verdict failing that check.
 
 Only engines that draft with gemma4_mtp get it; ``GEMMA4_SPEC_FAST_ALLOCATE=0`` turns it off.
 """
