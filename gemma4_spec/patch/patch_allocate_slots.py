@@ -107,12 +107,19 @@ class FastAllocateSlots:
     """``KVCacheManager.allocate_slots`` for one manager, with the no-op decode step short cut."""
 
     def __init__(self, kv_cache_manager: Any) -> None:
+        from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
         from vllm.v1.request import RequestStatus
 
         self.kv_cache_manager = kv_cache_manager
         # vLLM's method, bound to this manager.
         self.general = type(kv_cache_manager).allocate_slots.__get__(kv_cache_manager)
-        self.managers = tuple(kv_cache_manager.coordinator.single_type_managers)
+        # Each group's manager, and whether its attention skips tokens (a sliding window): only
+        # those free blocks while a request runs; the base class counts no skipped token.
+        no_skips = SingleTypeKVCacheManager.get_num_skipped_tokens
+        self.groups = tuple(
+            (manager, type(manager).get_num_skipped_tokens is not no_skips)
+            for manager in kv_cache_manager.coordinator.single_type_managers
+        )
         self.running = RequestStatus.RUNNING
         # Calls that took the short cut / vLLM's method (read by the tests).
         self.short_cuts = 0
@@ -139,7 +146,7 @@ class FastAllocateSlots:
         # The tokens whose KV no step in flight still reads: where vLLM frees up to.
         processed = max(0, computed - request.num_in_flight_tokens)
         request_id = request.request_id
-        for manager in self.managers:
+        for manager, windowed in self.groups:
             blocks = manager.req_to_blocks.get(request_id)
             if blocks is None:
                 return False  # no blocks yet: vLLM's path makes the entry
@@ -147,7 +154,7 @@ class FastAllocateSlots:
                 return False  # a copy-on-write block is still to be allocated
             if not self.holds_slots(manager, blocks, slots):
                 return False
-            if not self.nothing_leaves_window(manager, blocks, processed):
+            if windowed and not self.nothing_leaves_window(manager, blocks, processed):
                 return False
         return True
 
