@@ -126,13 +126,25 @@ class FastAllocateSlots:
         self.general_calls = 0
 
     def __call__(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        if not args and kwargs.keys() <= _RUNNING_KEYWORDS and num_new_tokens > 0:
-            lookahead = kwargs.get("num_lookahead_tokens", 0)
-            if self.nothing_to_free_or_allocate(request, num_new_tokens, lookahead):
-                self.short_cuts += 1
-                return self.cache_and_return(request, num_new_tokens)
+        if self.accepts(request, num_new_tokens, args, kwargs):
+            self.short_cuts += 1
+            return self.cache_and_return(request, num_new_tokens)
         self.general_calls += 1
         return self.general(request, num_new_tokens, *args, **kwargs)
+
+    def accepts(
+        self, request: Any, num_new_tokens: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> bool:
+        """Whether a call may take the short cut: a running request's call shape, and nothing
+        to free or allocate."""
+        return (
+            not args
+            and kwargs.keys() <= _RUNNING_KEYWORDS
+            and num_new_tokens > 0
+            and self.nothing_to_free_or_allocate(
+                request, num_new_tokens, kwargs.get("num_lookahead_tokens", 0)
+            )
+        )
 
     def nothing_to_free_or_allocate(
         self, request: Any, num_new_tokens: int, lookahead: int

@@ -36,9 +36,8 @@ class AllocateCounts:
     # Calls of vLLM's method (outside the checks) that freed or allocated blocks.
     general_changes: int = 0
     # Prefix-cache lookups (one a request admitted: more than the requests means preemption),
-    # the tokens they found, and the blocks the prefix cache holds at the end.
+    # and the blocks the prefix cache holds at the end.
     lookups: int = 0
-    prefix_hit_tokens: int = 0
     cached_blocks: int = 0
     # The most tokens in flight a request had (async scheduling), and whether the fast
     # ``allocate_slots`` was installed.
@@ -66,7 +65,7 @@ def _state(kv_cache_manager: Any, request_id: str) -> tuple[int, tuple[tuple[int
 
 
 def install_check(sabotage: str | None) -> None:
-    """Replace ``FastAllocateSlots.__call__`` with the checking one, and count prefix hits."""
+    """Replace ``FastAllocateSlots.__call__`` with the checking one, and count admissions."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
     from gemma4_spec.patch.patch_allocate_slots import FastAllocateSlots
@@ -88,14 +87,7 @@ def install_check(sabotage: str | None) -> None:
             _counts.max_in_flight_tokens, request.num_in_flight_tokens
         )
         manager = self.kv_cache_manager
-        accepted = (
-            not args
-            and kwargs.keys() <= {"num_lookahead_tokens"}
-            and num_new_tokens > 0
-            and self.nothing_to_free_or_allocate(
-                request, num_new_tokens, kwargs.get("num_lookahead_tokens", 0)
-            )
-        )
+        accepted = self.accepts(request, num_new_tokens, args, kwargs)
         if accepted and (sabotage is None and (_counts.checked + _counts.taken) % 2 == 1):
             _counts.taken += 1
             return self.cache_and_return(request, num_new_tokens)
@@ -119,10 +111,8 @@ def install_check(sabotage: str | None) -> None:
     def get_computed_blocks(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         global _manager
         _manager = self
-        found = original_lookup(self, request, *args, **kwargs)
         _counts.lookups += 1
-        _counts.prefix_hit_tokens += found[1]
-        return found
+        return original_lookup(self, request, *args, **kwargs)
 
     KVCacheManager.get_computed_blocks = get_computed_blocks  # type: ignore[method-assign]
 
