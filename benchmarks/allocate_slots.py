@@ -46,30 +46,22 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=3)
     args = parser.parse_args()
 
-    import torch
     from vllm import LLM, SamplingParams
 
     from gemma4_spec.assets import tiny_gsm8k_pair
     from gemma4_spec.patch.patch_allocate_slots import FastAllocateSlots
+    from gemma4_spec.testing.engine_run import RunConfig, engine_kwargs, gpu_attention
 
-    target, assistant = tiny_gsm8k_pair()
-    # On a GPU: the Triton attention every CUDA GPU vLLM supports has (eager, no graphs).
-    gpu = {"attention_config": {"backend": "TRITON_ATTN"}} if torch.cuda.is_available() else {}
-    llm = LLM(
-        model=str(target),
-        skip_tokenizer_init=True,
-        dtype="float32",
+    target, assistant = (str(p) for p in tiny_gsm8k_pair())
+    config = RunConfig(
+        target=target,
+        prompts=[],
+        assistant=assistant,
+        num_speculative_tokens=args.k,
         max_model_len=1024,
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        seed=0,
-        speculative_config={
-            "method": "gemma4_mtp",
-            "model": str(assistant),
-            "num_speculative_tokens": args.k,
-        },
-        **gpu,
+        extra_engine_kwargs={"enable_prefix_caching": False, **gpu_attention()},
     )
+    llm = LLM(**engine_kwargs(config, single_process=True))
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     manager = scheduler.kv_cache_manager
     fast = manager.__dict__.get("allocate_slots")

@@ -27,8 +27,8 @@ from gemma4_spec.patch.patch_allocate_slots import (
     FastAllocateSlots,
     fast_path_applies,
 )
-from gemma4_spec.testing.allocate_check import SABOTAGES, CheckedRun, run_checked
-from gemma4_spec.testing.engine_run import RunConfig
+from gemma4_spec.testing.allocate_check import SABOTAGED, CheckedRun, run_checked
+from gemma4_spec.testing.engine_run import RunConfig, gpu_attention
 
 pytestmark = pytest.mark.engine
 
@@ -39,12 +39,10 @@ SMALL_CACHE_BLOCKS = 40
 
 
 def _configs() -> dict[str, RunConfig]:
-    import torch
-
     target, assistant = (str(p) for p in tiny_gsm8k_pair())
     spec = dict(target=target, assistant=assistant, num_speculative_tokens=3)
     # On a GPU: the attention backend of the GPU engine tests (async scheduling runs there).
-    gpu = {"attention_config": {"backend": "TRITON_ATTN"}} if torch.cuda.is_available() else {}
+    gpu = gpu_attention()
     return {
         # The prompts twice (the second batch after the first has finished), prefilled in
         # chunks of 64 tokens.
@@ -124,7 +122,7 @@ def test_same_tokens_and_cache_as_vllms_method(
     assert ours.counts.lookups == vllms.counts.lookups
 
 
-@pytest.mark.parametrize("sabotage", SABOTAGES)
+@pytest.mark.parametrize("sabotage", SABOTAGED)
 def test_check_catches_a_short_cut_missing_a_check(sabotage: str) -> None:
     (run,) = run_checked([_configs()["preemption"]], sabotage=sabotage)
     assert run.counts.mismatches, f"a short cut without its {sabotage} check went unnoticed"
@@ -169,14 +167,6 @@ def test_versions() -> None:
 
 BLOCK = 16
 WINDOW = 40  # not a multiple of the block: the window's edge moves inside blocks
-
-
-class _NoSlotsCheck(FastAllocateSlots):
-    holds_slots = staticmethod(lambda manager, blocks, slots: True)
-
-
-class _NoWindowCheck(FastAllocateSlots):
-    nothing_leaves_window = staticmethod(lambda manager, blocks, processed: True)
 
 
 def _manager(caching: bool, num_blocks: int):  # type: ignore[no-untyped-def]
@@ -325,7 +315,7 @@ def test_verdicts_match_vllm_on_random_decoding(caching: bool, in_flight: bool) 
         assert seen["changed"] > 100 and seen["preempted"] > 0, seen
 
 
-@pytest.mark.parametrize("checker", [_NoSlotsCheck, _NoWindowCheck])
-def test_random_decoding_catches_a_missing_check(checker: type[FastAllocateSlots]) -> None:
-    seen = _random_decoding(checker, seed=0, caching=True, in_flight=True)
+@pytest.mark.parametrize("sabotage", SABOTAGED)
+def test_random_decoding_catches_a_missing_check(sabotage: str) -> None:
+    seen = _random_decoding(SABOTAGED[sabotage], seed=0, caching=True, in_flight=True)
     assert seen["mismatches"] > 0, seen

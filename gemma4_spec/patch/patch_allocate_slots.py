@@ -74,14 +74,10 @@ def apply(scheduler_module: ModuleType) -> None:
     scheduler_cls.__init__ = ours(__init__)
 
 
-def install(kv_cache_manager: Any) -> bool:
+def install(kv_cache_manager: Any) -> None:
     """Give ``kv_cache_manager`` the fast ``allocate_slots`` if its groups allow it."""
-    if isinstance(kv_cache_manager.__dict__.get("allocate_slots"), FastAllocateSlots):
-        return True
-    if not fast_path_applies(kv_cache_manager):
-        return False
-    kv_cache_manager.allocate_slots = FastAllocateSlots(kv_cache_manager)
-    return True
+    if fast_path_applies(kv_cache_manager):
+        kv_cache_manager.allocate_slots = FastAllocateSlots(kv_cache_manager)
 
 
 def fast_path_applies(kv_cache_manager: Any) -> bool:
@@ -91,14 +87,11 @@ def fast_path_applies(kv_cache_manager: Any) -> bool:
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
     coordinator = kv_cache_manager.coordinator
-    if not all(
-        getattr(type(coordinator), name) is getattr(KVCacheCoordinator, name)
-        for name in _BASE_METHODS
-    ):
-        return False
+    bases = [(coordinator, KVCacheCoordinator)]
+    bases += [(manager, SingleTypeKVCacheManager) for manager in coordinator.single_type_managers]
     return all(
-        getattr(type(manager), name) is getattr(SingleTypeKVCacheManager, name)
-        for manager in coordinator.single_type_managers
+        getattr(type(obj), name) is getattr(base, name)
+        for obj, base in bases
         for name in _BASE_METHODS
     )
 
@@ -121,7 +114,7 @@ class FastAllocateSlots:
             for manager in kv_cache_manager.coordinator.single_type_managers
         )
         self.running = RequestStatus.RUNNING
-        # Calls that took the short cut / vLLM's method (read by the tests).
+        # Calls that took the short cut / vLLM's method (benchmarks/allocate_slots.py prints them).
         self.short_cuts = 0
         self.general_calls = 0
 

@@ -19,10 +19,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gemma4_spec.patch import patch_allocate_slots
+from gemma4_spec.patch.patch_allocate_slots import FastAllocateSlots
 from gemma4_spec.testing.engine_run import RunConfig, generate, run_json_module
 
-# The short cut's checks a sabotaged run drops (they always pass there).
-SABOTAGES = ("slots", "window")
+
+class _NoSlotsCheck(FastAllocateSlots):
+    """The short cut without its check that the blocks hold the step's slots."""
+
+    holds_slots = staticmethod(lambda manager, blocks, slots: True)
+
+
+class _NoWindowCheck(FastAllocateSlots):
+    """The short cut without its check that no block leaves a window."""
+
+    nothing_leaves_window = staticmethod(lambda manager, blocks, processed: True)
+
+
+# Sabotaged short cuts by the check they drop: the controls of the checks.
+SABOTAGED: dict[str, type[FastAllocateSlots]] = {"slots": _NoSlotsCheck, "window": _NoWindowCheck}
 
 
 @dataclass
@@ -68,16 +83,11 @@ def install_check(sabotage: str | None) -> None:
     """Replace ``FastAllocateSlots.__call__`` with the checking one, and count admissions."""
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from gemma4_spec.patch.patch_allocate_slots import FastAllocateSlots
-
-    if sabotage == "slots":
-        FastAllocateSlots.holds_slots = staticmethod(lambda manager, blocks, slots: True)
-    elif sabotage == "window":
-        FastAllocateSlots.nothing_leaves_window = staticmethod(
-            lambda manager, blocks, processed: True
-        )
-    elif sabotage is not None:
-        raise ValueError(f"sabotage {sabotage!r} is not one of {SABOTAGES}")
+    if sabotage is not None:
+        if sabotage not in SABOTAGED:
+            raise ValueError(f"sabotage {sabotage!r} is not one of {list(SABOTAGED)}")
+        # What the scheduler's patch installs from now on (it inherits the checking call).
+        patch_allocate_slots.FastAllocateSlots = SABOTAGED[sabotage]  # type: ignore[misc]
 
     def checked_call(
         self: FastAllocateSlots, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any

@@ -45,6 +45,16 @@ GPU_ENGINE_KWARGS: dict[str, Any] = {
 }
 
 
+def gpu_attention() -> dict[str, Any]:
+    """On a CUDA machine, the attention backend of the GPU engine tests (as engine arguments);
+    nothing elsewhere (the CPU backend has its own)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {"attention_config": GPU_ENGINE_KWARGS["attention_config"]}
+
+
 def gpu_run_fields(target: str, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """The ``RunConfig`` fields of a GPU engine test's engine: CUDA graphs on,
     ``GPU_ENGINE_KWARGS``; the speculative fields are added per engine."""
