@@ -45,13 +45,12 @@ from gemma4_spec.switches import turned_off
 
 TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
-# Up to this many query tokens a verification batch goes to the split kernel. On the H200 (E2B
-# shape) the earlier one-token-sequence rewrite made the whole engine faster up to 32 tokens
-# and slower at 64; the split kernel beat that rewrite at 3 and 24 tokens, and at 96 (batch
-# 32, k = 2) ran the engine slower than vLLM's one-pass kernel in one run, though one layer
-# alone was faster (benchmarks/verify_attention.py). Figures in benchmarks/results/h200.
-# Tunable with GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
-SPLIT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "32"))
+# Up to this many query tokens a verification batch goes to the split kernel (and no more than
+# its scratch holds: 128 rows for one KV head, fewer for more). 128 leaves the scratch as the
+# bound on the E2B shape, where the split kernel ran the engine faster at 64 and 128 tokens
+# once the engine waited on the GPU there (benchmarks/results/h200/README.md). Tunable with
+# GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
+SPLIT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "128"))
 
 logger = get_logger(__name__)
 _logged = False
