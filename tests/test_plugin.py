@@ -441,6 +441,23 @@ def test_small_prefill_batches_are_warmed_for_gemma4_mtp(
     assert runner.scheduler_config.max_num_seqs == max_num_seqs
 
 
+@pytest.mark.parametrize(("method", "uploads"), [("gemma4_mtp", 1), ("eagle", 0), (None, 0)])
+def test_graphs_are_uploaded_after_the_warm_up_for_gemma4_mtp(
+    monkeypatch: pytest.MonkeyPatch, method: str | None, uploads: int
+) -> None:
+    from gemma4_spec.spec_decode import graph_upload
+
+    seen: list[int] = []
+    uploaded: list[int] = []
+    # Uploads after every warm-up round: the warm-up rounds seen so far when it runs.
+    monkeypatch.setattr(
+        graph_upload, "upload_runner_graphs", lambda runner: uploaded.append(len(seen)) or 0
+    )
+    runner = _runner(method, 256)
+    _patched_worker_module(seen).warmup_kernels(runner, "execute", "sample")
+    assert uploaded == [len(seen)] * uploads
+
+
 def test_the_request_cap_is_restored_when_a_warm_up_round_fails(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

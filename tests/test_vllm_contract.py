@@ -756,6 +756,14 @@ CONTRACTS: tuple[Contract, ...] = (
         positional=("model_runner", "worker_execute_model", "worker_sample_tokens"),
     ),
     Attributes("vllm.config:SchedulerConfig", ("max_num_seqs",)),
+    # spec_decode/graph_upload.py, after the warm-up: the runner's graph managers and their
+    # full graphs.
+    Attributes(
+        "vllm.v1.worker.gpu.model_runner:GPUModelRunner",
+        ("cudagraph_manager", "speculator", "device"),
+    ),
+    Attributes("vllm.v1.worker.gpu.cudagraph_utils:CudaGraphManager", ("graphs",)),
+    Exists("torch.cuda:CUDAGraph.raw_cuda_graph_exec", "callable"),
     # patch/patch_v2_warmup.py, the opt-in shape warm-up: what it reads of V2's runner, and the
     # dummy forward it calls as vLLM's worker does for its compile sizes.
     Attributes(

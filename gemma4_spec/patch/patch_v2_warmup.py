@@ -1,4 +1,4 @@
-"""Compile the attention kernels of small prefill batches at start-up, not in a first request.
+"""Start-up work kept out of a first request: small prefill batches' kernels, graph uploads.
 
 Wraps: ``vllm.v1.worker.gpu_worker.warmup_kernels``, the name the GPU worker calls (from
 ``vllm.v1.worker.gpu.warmup``) to compile Model Runner V2's Triton kernels before serving. vLLM's
@@ -16,9 +16,11 @@ When the engine drafts with gemma4_mtp, the wrapper runs vLLM's own warm-up agai
 request count capped at each of ``WARM_REQUEST_COUNTS`` below ``max_num_seqs`` (one sequence,
 another count, a multiple of 16), so every class a real batch can have is compiled before the
 first request; ``GEMMA4_SPEC_PREFILL_WARMUP=0`` turns it off. Each extra round is one prefill
-and a few decode steps of dummy requests (vLLM's warm-up releases them). Other engines keep
-vLLM's warm-up as it is. vLLM versions: 0.26 - 0.33 (the function and its three arguments, and
-its request count read from ``scheduler_config.max_num_seqs``, are the same in all of them).
+and a few decode steps of dummy requests (vLLM's warm-up releases them). Then it uploads the
+runner's full CUDA graphs to the device (``spec_decode/graph_upload.py``), so that no graph's
+first replay falls in a request. Other engines keep vLLM's warm-up as it is. vLLM versions:
+0.26 - 0.33 (the function and its three arguments, and its request count read from
+``scheduler_config.max_num_seqs``, are the same in all of them).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 from gemma4_spec.patch import patch_v2_sample
 from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
+from gemma4_spec.spec_decode import graph_upload
 from gemma4_spec.switches import turned_off
 
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
@@ -60,6 +63,7 @@ def apply(worker_module: ModuleType) -> None:
             for count in extra_request_counts(scheduler.max_num_seqs):
                 with requests_capped_at(scheduler, count):
                     original(model_runner, worker_execute_model, worker_sample_tokens)
+        graph_upload.upload_runner_graphs(model_runner)
 
     worker_module.warmup_kernels = ours(warmup_kernels)
 
