@@ -449,7 +449,7 @@ def test_graphs_are_uploaded_after_the_warm_up_for_gemma4_mtp(
 
     seen: list[int] = []
     uploaded: list[int] = []
-    # Uploads after every warm-up round: the warm-up rounds seen so far when it runs.
+    # Records how many warm-up rounds had run when the upload was called: one upload, after all.
     monkeypatch.setattr(
         graph_upload, "upload_runner_graphs", lambda runner: uploaded.append(len(seen)) or 0
     )
