@@ -10,9 +10,10 @@ slower than the passes right after them with no lazy work recorded. This capture
 ``--graphs`` graphs of ``--nodes`` kernels each (small matmuls and elementwise kernels, in one
 memory pool as vLLM's are), then times each graph's first replay and its next ones (host wall
 time to the end of the GPU's work, and CUDA events). ``--upload`` captures a second set of
-the same graphs beside the first and uploads each with the driver's ``cuGraphUpload`` right
-after its capture (nothing runs), as a start-up could: whether that moves the first replay's
-extra cost out of the first pass. Needs torch and CUDA only.
+the same graphs beside the first and uploads each right after its capture through the
+plugin's start-up upload (``spec_decode/graph_upload.py``: the driver's ``cuGraphUpload``,
+nothing runs): whether that moves the first replay's extra cost out of the first pass. Needs
+torch, CUDA and this package on the path, not vLLM.
 
     python benchmarks/graph_first_replay.py [--nodes 100,400,1200] [--graphs 8] [--upload]
 """
@@ -20,7 +21,6 @@ extra cost out of the first pass. Needs torch and CUDA only.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import time
@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from gemma4_spec.spec_decode.graph_upload import upload_graphs
 
 
 def _step(x: torch.Tensor, ws: list[torch.Tensor], nodes: int) -> torch.Tensor:
@@ -49,20 +51,6 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     return (time.perf_counter() - t0) * 1e3, start.elapsed_time(end)
 
 
-def _upload(graph: torch.cuda.CUDAGraph) -> None:
-    """Upload ``graph``'s executable to the device on the current stream (``cuGraphUpload``;
-    a ``cudaGraphExec_t`` is the driver's ``CUgraphExec``)."""
-    raw_exec = getattr(graph, "raw_cuda_graph_exec", None)
-    if raw_exec is None:
-        raise SystemExit(f"torch {torch.__version__} does not expose a graph's executable")
-    stream = torch.cuda.current_stream().cuda_stream
-    result = ctypes.CDLL("libcuda.so.1").cuGraphUpload(
-        ctypes.c_void_p(raw_exec()), ctypes.c_void_p(stream)
-    )
-    if result != 0:
-        raise RuntimeError(f"cuGraphUpload failed with CUresult {result}")
-
-
 def _capture(
     nodes: int, count: int, ws: list[torch.Tensor], upload: bool
 ) -> tuple[list[torch.cuda.CUDAGraph], list[torch.Tensor]]:
@@ -79,8 +67,8 @@ def _capture(
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             _step(x, ws, nodes)
-        if upload:
-            _upload(graph)
+        if upload and upload_graphs([graph]) != 1:  # the plugin's start-up upload
+            raise SystemExit("cuGraphUpload failed (the warning above says why)")
         graphs.append(graph)
         inputs.append(x)
     torch.cuda.synchronize()
