@@ -116,6 +116,13 @@ def test_an_uploaded_graph_replays_what_it_captured_cuda() -> None:
     x = torch.randn(64, 64, device="cuda")
     w = torch.randn(64, 64, device="cuda")
     out = torch.empty_like(x)
+    # One eager run first: cuBLAS creates its handle on the first matmul, which cannot happen
+    # inside a capture (in a fresh process this test would otherwise fail before uploading).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out.copy_(torch.tanh(x @ w))
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
