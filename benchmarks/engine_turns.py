@@ -53,8 +53,10 @@ class EngineTurns:
         # name -> the exception lines of their output. They take no turns and have no results.
         self.not_started: dict[str, list[str]] = {}
         self._dropped: set[int] = set()
-        # One entry a turn of an engine: its name, the turn's wall seconds, and the CPU
-        # seconds the other engines' process trees used meanwhile (they should be idle).
+        # One entry a turn of an engine: its name, the turn's wall seconds, the CPU seconds
+        # the other engines' process trees used meanwhile (they should be idle), and those
+        # the rest of the machine used (neither the engine timed nor the others: the kernel's
+        # threads, other programs; they take cores from a host-bound engine too).
         self.turn_log: list[dict[str, Any]] = []
 
     def start(self, name: str, script: str, args: list[str], env: dict[str, str]) -> None:
@@ -95,12 +97,14 @@ class EngineTurns:
     def _running(self) -> list[tuple[int, str, subprocess.Popen[bytes]]]:
         return [(i, n, p) for i, (n, p) in enumerate(self._procs) if i not in self._dropped]
 
-    def take_turns(self, rounds: int, reverse_every: int = 0) -> None:
+    def take_turns(self, rounds: int, reverse_every: int = 0, settle_s: float = 0.0) -> None:
         """``rounds`` turns, each engine in start order; with ``reverse_every`` = n, turns
         n to 2n - 1, 3n to 4n - 1, ... go in reverse order, so that over an even number of
         such blocks each engine is timed as often right after each other engine as before it
         (a drift of the host inside a turn, or an engine that warms or cools the host for the
-        next, then weighs on every engine alike)."""
+        next, then weighs on every engine alike). ``settle_s``: seconds to wait before the
+        first turn, for a host to come back from the engines' start-ups on all its cores."""
+        time.sleep(settle_s)
         for rnd in range(rounds):
             running = self._running()
             if reverse_every and (rnd // reverse_every) % 2:
@@ -108,6 +112,7 @@ class EngineTurns:
             for i, name, proc in running:
                 others = [other.pid for j, _, other in running if j != i]
                 before = sum(tree_cpu_seconds(pid) for pid in others)
+                own, machine = tree_cpu_seconds(proc.pid), machine_cpu_seconds()
                 started = time.perf_counter()
                 (self.control / f"{i}.go{rnd}").touch()
                 while not (self.control / f"{i}.done{rnd}").exists():
@@ -116,7 +121,11 @@ class EngineTurns:
                     time.sleep(0.02)
                 wall = time.perf_counter() - started
                 idle = sum(tree_cpu_seconds(pid) for pid in others) - before
-                self.turn_log.append({"engine": name, "wall_s": wall, "others_cpu_s": idle})
+                own = tree_cpu_seconds(proc.pid) - own
+                rest = max(machine_cpu_seconds() - machine - own - idle, 0.0)
+                self.turn_log.append(
+                    {"engine": name, "wall_s": wall, "others_cpu_s": idle, "rest_cpu_s": rest}
+                )
 
     def results(self) -> dict[str, Any]:
         """Each engine's results, by name, once they have all exited."""
@@ -150,6 +159,14 @@ def tree_cpu_seconds(pid: int) -> float:
             fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
             ticks += int(fields[11]) + int(fields[12])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_seconds() -> float:
+    """The CPU seconds every core of the machine has been busy so far (Linux ``/proc/stat``:
+    user, nice, system, irq, softirq and steal time; not idle or waiting on I/O)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields)
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def worker_ready(control: Path, index: int) -> None:

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
+import host_probe  # noqa: E402
 import lazy_work  # noqa: E402
 from engine_turns import (  # noqa: E402
     CORE_IN_PROCESS_ENV,
@@ -507,6 +508,7 @@ def _worker(args: argparse.Namespace) -> None:
     for rnd in range(args.rounds):
         for turn, b in enumerate(batches, start=rnd * len(batches)):
             wait_turn(control, args.index, turn)
+            probe = host_probe.probe_ms()
             before = spec_metrics(llm.get_metrics())
             scopes = host_scopes.snapshot() if args.scopes else {}
             lazy_before = lazy.take() if lazy else None
@@ -535,6 +537,7 @@ def _worker(args: argparse.Namespace) -> None:
                     "mean_accepted_length": acc.mean_accepted_length
                     if acc.num_draft_tokens
                     else None,
+                    "host_probe_ms": probe,
                 }
             )
             if lazy and lazy_before is not None:
@@ -584,6 +587,13 @@ def main() -> int:
         default=3,
         help="passes of each batch size run right after its first pass, timed apart: the "
         "first pass against the passes next to it",
+    )
+    parser.add_argument(
+        "--settle-seconds",
+        type=float,
+        default=0.0,
+        help="wait this long after every engine is ready before the first pass (the host "
+        "then runs round 0 as it runs the later rounds, not fresh from the start-ups' load)",
     )
     parser.add_argument("--workdir", default="/tmp/real-work")
     parser.add_argument("--only", default=None, help="comma-separated name prefixes to run")
@@ -739,7 +749,7 @@ def main() -> int:
     # others' same cell, so the host's drift hits them alike. Every other round runs the
     # engines in reverse order: no engine is always timed first.
     sizes = len(args.batch.split(","))
-    turns.take_turns(args.rounds * sizes, reverse_every=sizes)
+    turns.take_turns(args.rounds * sizes, reverse_every=sizes, settle_s=args.settle_seconds)
     results = turns.results()
     saved = {
         "pair": args.pair,
@@ -751,6 +761,7 @@ def main() -> int:
         "engine_core": args.engine_core,
         "pinned_cores": args.pin_cores,
         "measure_cores": args.measure_cores,
+        "settle_s": args.settle_seconds,
         "results": results,
         "not_started": turns.not_started,
         "turns": turns.turn_log,
@@ -836,6 +847,7 @@ def print_tables(saved: dict[str, Any]) -> None:
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
     _print_host(results, batches)
     _print_first_passes(results, batches)
+    _print_host_drift(results, saved.get("turns", []), batches, saved.get("settle_s"))
     _print_idle_engines(saved.get("turns", []))
     paired = {name: other for name in results if (other := in_tree_of(name)) is not None}
     if paired:
@@ -915,6 +927,39 @@ def _print_idle_engines(turns: list[dict[str, Any]]) -> None:
         ]
         if rates:
             print(f"  {name:24} {statistics.median(rates):5.2f}  {max(rates):5.2f}")
+
+
+def _print_host_drift(
+    results: dict[str, Any],
+    turns: list[dict[str, Any]],
+    batches: list[str],
+    settle_s: float | None,
+) -> None:
+    """The host while round 0 (the first passes) ran, against the later rounds, per engine:
+    the host probe (``host_probe.py``: fixed Python work, ms; higher is a slower CPU), and the
+    CPU seconds per wall second that the rest of the machine (not the engines) used during the
+    engine's turns. A round 0 slower on both counts was a slower host, not the engine's first
+    passes. Runs saved before these were recorded print nothing."""
+    first_cells = [r["runs"][b][0] for r in results.values() for b in batches]
+    if not all("host_probe_ms" in cell for cell in first_cells):
+        return
+    after = f", {settle_s:.0f} s after the engines were ready" if settle_s else ""
+    print(
+        f"\nthe host in round 0{after} | in the later rounds (medians): probe ms; "
+        "the rest of the machine's CPU s per wall s in the engine's turns"
+    )
+    for name, result in results.items():
+        first = statistics.median(result["runs"][b][0]["host_probe_ms"] for b in batches)
+        later = statistics.median(
+            r["host_probe_ms"] for b in batches for r in result["runs"][b][1:]
+        )
+        line = f"  {name:24} probe {first:6.3f} | {later:6.3f} ({first / later:4.2f}x)"
+        own = [t for t in turns if t["engine"] == name and "rest_cpu_s" in t and t["wall_s"]]
+        if len(own) > len(batches):  # the first len(batches) turns of an engine are round 0
+            rates = [t["rest_cpu_s"] / t["wall_s"] for t in own]
+            round0, rest = rates[: len(batches)], rates[len(batches) :]
+            line += f"   rest {statistics.median(round0):5.2f} | {statistics.median(rest):5.2f}"
+        print(line)
 
 
 def _has_pass_times(results: dict[str, Any], batches: list[str]) -> bool:

@@ -401,6 +401,63 @@ def test_tables_show_what_waiting_engines_burn(tmp_path: Path) -> None:
     assert "  plain                     0.10   0.50" in idle
 
 
+def test_engine_turns_record_what_the_rest_of_the_machine_burns(tmp_path: Path) -> None:
+    from engine_turns import EngineTurns
+
+    script = tmp_path / "engine.py"  # ready; after a settling wait, a turn of half a second
+    script.write_text(
+        "import sys, pathlib, time\n"
+        "a = sys.argv; i = a[a.index('--index') + 1]\n"
+        "c = pathlib.Path(a[a.index('--control') + 1])\n"
+        "(c / f'{i}.ready').touch()\n"
+        "while not (c / f'{i}.go0').exists(): time.sleep(0.01)\n"
+        "time.sleep(0.5)\n"
+        "(c / f'{i}.done0').touch()\n"
+        "pathlib.Path(a[a.index('--out') + 1]).write_text('{}')\n"
+    )
+    turns = EngineTurns(tmp_path / "control")
+    turns.start("ours", str(script), [], dict(os.environ))
+    turns.wait_ready(60)
+    # A program that is not an engine spins on a core through the turn (and the settling).
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        started = time.perf_counter()
+        turns.take_turns(1, settle_s=0.4)
+        took = time.perf_counter() - started
+    finally:
+        spinner.kill()
+        spinner.wait()
+    turns.results()
+    (turn,) = turns.turn_log
+    assert took >= 0.4 + turn["wall_s"]
+    assert turn["others_cpu_s"] == 0
+    assert turn["rest_cpu_s"] > 0.3 * turn["wall_s"]  # about a core, the spinner's
+
+
+def test_tables_show_the_host_of_round_0_against_the_later_rounds(tmp_path: Path) -> None:
+    # Round 0's probe 1.5x the later rounds' and the rest of the machine busy then: the
+    # first passes ran on a slower host.
+    probes = {"1": [0.9, 0.6, 0.61], "8": [0.9, 0.59, 0.6]}
+    runs = {b: _runs([80, 100, 100], 3.0) for b in probes}
+    for b, cells in runs.items():
+        for cell, probe in zip(cells, probes[b], strict=True):
+            cell["host_probe_ms"] = probe
+    turns = [
+        {"engine": "ours-V2 k=3 real", "wall_s": 1.0, "others_cpu_s": 0.0, "rest_cpu_s": rest}
+        for rest in (2.0, 1.0, 0.1, 0.1, 0.2, 0.1)
+    ]
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "settle_s": 30,
+        "results": {"ours-V2 k=3 real": {"startup_s": 50, "runs": runs}},
+        "turns": turns,
+    }
+    text = _tables(saved, tmp_path).split("\nthe host in round 0, 30 s after")[1]
+    line = text.splitlines()[1]
+    assert line == "  ours-V2 k=3 real         probe  0.900 |  0.600 (1.50x)   rest  1.50 |  0.10"
+
+
 def test_engine_turns_reverse_the_order_every_other_round(tmp_path: Path) -> None:
     from engine_turns import EngineTurns
 
