@@ -1,15 +1,21 @@
-"""How fast this process runs Python right now: a fixed piece of host work, timed.
+"""How fast this machine runs right now: a fixed piece of host work, timed, and the GPU's clock.
 
 A host-bound engine (a small model, or many requests a step) runs at its CPU's speed of the
 moment: clocks that have not come back after the start-up's load on every core, or other work
-on the same cores, slow every pass alike. ``real_work.py`` times this probe before each cell,
-so a first pass slower than the steady ones can be told apart from a host that was slower when
-it ran (the same probe slower in round 0 than in the later rounds).
+on the same cores, slow every pass alike; a GPU that idled through the start-ups may run its
+first kernels at a lower clock. ``real_work.py`` times the probe before each cell and reads the
+SM clock right after its passes, so a first pass slower than the steady ones can be told apart
+from a machine that was slower when it ran (round 0 slower on these too).
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import time
+from typing import Any
+
+_NVML_CLOCK_SM = 1  # nvmlClockType_t
 
 
 def _work(items: int = 4000) -> int:
@@ -30,3 +36,28 @@ def probe_ms(repeats: int = 5) -> float:
         _work()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
+
+
+@functools.cache
+def _nvml_device() -> tuple[Any, ctypes.c_void_p] | None:
+    """The NVIDIA driver's management library and its handle of GPU 0, or None without one."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None
+    handle = ctypes.c_void_p()
+    if nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle)):
+        return None
+    return nvml, handle
+
+
+def gpu_sm_clock_mhz() -> int | None:
+    """GPU 0's SM clock now, in MHz (NVML, a microsecond-scale call); None without a driver."""
+    device = _nvml_device()
+    if device is None:
+        return None
+    nvml, handle = device
+    mhz = ctypes.c_uint()
+    if nvml.nvmlDeviceGetClockInfo(handle, _NVML_CLOCK_SM, ctypes.byref(mhz)):
+        return None
+    return int(mhz.value)

@@ -520,6 +520,7 @@ def _worker(args: argparse.Namespace) -> None:
             # The first pass is one pass.
             passes, walls = timed_passes(run_again, 0.0 if rnd == 0 else args.min_seconds)
             cpu = time.process_time() - cpu
+            clock = host_probe.gpu_sm_clock_mhz()  # as the passes left it
             wall = sum(walls)
             acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
             tokens = sum(len(o.outputs[0].token_ids) for outputs in passes for o in outputs)
@@ -538,6 +539,7 @@ def _worker(args: argparse.Namespace) -> None:
                     if acc.num_draft_tokens
                     else None,
                     "host_probe_ms": probe,
+                    "sm_clock_mhz": clock,
                 }
             )
             if lazy and lazy_before is not None:
@@ -936,17 +938,18 @@ def _print_host_drift(
     settle_s: float | None,
 ) -> None:
     """The host while round 0 (the first passes) ran, against the later rounds, per engine:
-    the host probe (``host_probe.py``: fixed Python work, ms; higher is a slower CPU), and the
-    CPU seconds per wall second that the rest of the machine (not the engines) used during the
-    engine's turns. A round 0 slower on both counts was a slower host, not the engine's first
-    passes. Runs saved before these were recorded print nothing."""
+    the host probe (``host_probe.py``: fixed Python work, ms; higher is a slower CPU), the CPU
+    seconds per wall second that the rest of the machine (not the engines) used during the
+    engine's turns, and the GPU's SM clock after a cell's passes. A round 0 slower on these
+    counts ran on a slower machine, not the engine's first passes. Runs saved before these
+    were recorded print nothing."""
     first_cells = [r["runs"][b][0] for r in results.values() for b in batches]
     if not all("host_probe_ms" in cell for cell in first_cells):
         return
     after = f", {settle_s:.0f} s after the engines were ready" if settle_s else ""
     print(
         f"\nthe host in round 0{after} | in the later rounds (medians): probe ms; "
-        "the rest of the machine's CPU s per wall s in the engine's turns"
+        "the rest of the machine's CPU s per wall s in the engine's turns; GPU SM clock MHz"
     )
     for name, result in results.items():
         first = statistics.median(result["runs"][b][0]["host_probe_ms"] for b in batches)
@@ -959,6 +962,11 @@ def _print_host_drift(
             rates = [t["rest_cpu_s"] / t["wall_s"] for t in own]
             round0, rest = rates[: len(batches)], rates[len(batches) :]
             line += f"   rest {statistics.median(round0):5.2f} | {statistics.median(rest):5.2f}"
+        clocks = [[r.get("sm_clock_mhz") for r in result["runs"][b]] for b in batches]
+        if all(c is not None for cells in clocks for c in cells):
+            round0_mhz = statistics.median(cells[0] for cells in clocks)
+            later_mhz = statistics.median(c for cells in clocks for c in cells[1:])
+            line += f"   SM {round0_mhz:5.0f} | {later_mhz:5.0f}"
         print(line)
 
 

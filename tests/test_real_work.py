@@ -435,13 +435,13 @@ def test_engine_turns_record_what_the_rest_of_the_machine_burns(tmp_path: Path) 
 
 
 def test_tables_show_the_host_of_round_0_against_the_later_rounds(tmp_path: Path) -> None:
-    # Round 0's probe 1.5x the later rounds' and the rest of the machine busy then: the
-    # first passes ran on a slower host.
+    # Round 0's probe 1.5x the later rounds', the rest of the machine busy then and the GPU's
+    # clock low: the first passes ran on a slower machine.
     probes = {"1": [0.9, 0.6, 0.61], "8": [0.9, 0.59, 0.6]}
     runs = {b: _runs([80, 100, 100], 3.0) for b in probes}
     for b, cells in runs.items():
-        for cell, probe in zip(cells, probes[b], strict=True):
-            cell["host_probe_ms"] = probe
+        for cell, probe, mhz in zip(cells, probes[b], (1200, 1980, 1980), strict=True):
+            cell.update(host_probe_ms=probe, sm_clock_mhz=mhz)
     turns = [
         {"engine": "ours-V2 k=3 real", "wall_s": 1.0, "others_cpu_s": 0.0, "rest_cpu_s": rest}
         for rest in (2.0, 1.0, 0.1, 0.1, 0.2, 0.1)
@@ -455,7 +455,10 @@ def test_tables_show_the_host_of_round_0_against_the_later_rounds(tmp_path: Path
     }
     text = _tables(saved, tmp_path).split("\nthe host in round 0, 30 s after")[1]
     line = text.splitlines()[1]
-    assert line == "  ours-V2 k=3 real         probe  0.900 |  0.600 (1.50x)   rest  1.50 |  0.10"
+    assert line == (
+        "  ours-V2 k=3 real         probe  0.900 |  0.600 (1.50x)   rest  1.50 |  0.10"
+        "   SM  1200 |  1980"
+    )
 
 
 def test_engine_turns_reverse_the_order_every_other_round(tmp_path: Path) -> None:

@@ -1,0 +1,62 @@
+"""The benchmarks' probe of the machine's speed (benchmarks/host_probe.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import host_probe  # noqa: E402
+
+
+def test_the_probe_is_its_fastest_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Runs of 3, 1 and 2 ms (a start and an end reading each): one preempted run is not the
+    # host's speed.
+    clock = iter([0.0, 0.003, 1.0, 1.001, 2.0, 2.002])
+    monkeypatch.setattr(host_probe.time, "perf_counter", lambda: next(clock))
+    assert host_probe.probe_ms(repeats=3) == pytest.approx(1.0)
+
+
+def test_the_real_probe_takes_a_millisecond_or_so() -> None:
+    assert 0.01 < host_probe.probe_ms() < 100
+
+
+def _fake_nvml(mhz: int, clock_status: int = 0) -> Any:
+    def clock_info(handle: Any, kind: int, out: Any) -> int:
+        assert kind == 1  # the SM clock
+        out._obj.value = mhz
+        return clock_status
+
+    return SimpleNamespace(
+        nvmlInit_v2=lambda: 0,
+        nvmlDeviceGetHandleByIndex_v2=lambda index, handle: 0,
+        nvmlDeviceGetClockInfo=clock_info,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _fresh_device() -> Any:
+    host_probe._nvml_device.cache_clear()
+    yield
+    host_probe._nvml_device.cache_clear()
+
+
+def test_the_sm_clock_from_the_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: _fake_nvml(1980))
+    assert host_probe.gpu_sm_clock_mhz() == 1980
+
+
+def test_no_clock_without_a_driver_or_when_it_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(name: str) -> Any:
+        raise OSError(name)
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert host_probe.gpu_sm_clock_mhz() is None
+    host_probe._nvml_device.cache_clear()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: _fake_nvml(1980, clock_status=999))
+    assert host_probe.gpu_sm_clock_mhz() is None
