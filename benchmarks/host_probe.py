@@ -6,13 +6,20 @@ on the same cores, slow every pass alike; a GPU that idled through the start-ups
 first kernels at a lower clock. ``real_work.py`` times the probe before each cell and reads the
 SM clock right after its passes, so a first pass slower than the steady ones can be told apart
 from a machine that was slower when it ran (round 0 slower on these too).
+
+On the cloud machines we measure on, a core runs the probe at one of two speeds, about 2x
+apart, and stays at one for seconds (another tenant's work on the same physical core, as far as
+can be told from inside): a host-bound cell then runs at the speed of the core its main thread
+landed on. ``fastest_core`` picks the core that is fast at the moment, for every engine alike.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 _NVML_CLOCK_SM = 1  # nvmlClockType_t
@@ -36,6 +43,19 @@ def probe_ms(repeats: int = 5) -> float:
         _work()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
+
+
+def fastest_core(cores: Iterable[int], repeats: int = 5) -> tuple[int, dict[int, float]]:
+    """Probe each of ``cores`` from the calling thread and leave that thread on the fastest
+    alone; returns that core and each core's probe (ms). (Linux: ``sched_setaffinity`` with
+    pid 0 moves the calling thread only, not the process's other threads.)"""
+    probes: dict[int, float] = {}
+    for core in sorted(cores):
+        os.sched_setaffinity(0, {core})
+        probes[core] = probe_ms(repeats)
+    best = min(probes, key=probes.__getitem__)
+    os.sched_setaffinity(0, {best})
+    return best, probes
 
 
 @functools.cache

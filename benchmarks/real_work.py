@@ -505,10 +505,14 @@ def _worker(args: argparse.Namespace) -> None:
     worker_ready(control, args.index)
 
     runs: dict[str, list[dict[str, Any]]] = {str(b): [] for b in batches}
+    pick_from = {int(c) for c in args.measure_on.split(",")} if args.pick_core else set()
     for rnd in range(args.rounds):
         for turn, b in enumerate(batches, start=rnd * len(batches)):
             wait_turn(control, args.index, turn)
-            probe = host_probe.probe_ms()
+            # With the engine core in this process, this thread steps the engine: on the core
+            # that is fast now (--pick-core), or wherever the OS puts it among the others.
+            core, core_probes = host_probe.fastest_core(pick_from) if pick_from else (None, {})
+            probe = core_probes[core] if core is not None else host_probe.probe_ms()
             before = spec_metrics(llm.get_metrics())
             scopes = host_scopes.snapshot() if args.scopes else {}
             lazy_before = lazy.take() if lazy else None
@@ -521,6 +525,7 @@ def _worker(args: argparse.Namespace) -> None:
             passes, walls = timed_passes(run_again, 0.0 if rnd == 0 else args.min_seconds)
             cpu = time.process_time() - cpu
             clock = host_probe.gpu_sm_clock_mhz()  # as the passes left it
+            probe_after = host_probe.probe_ms()  # did the core stay as fast through the cell
             wall = sum(walls)
             acc = Acceptance.between(before, spec_metrics(llm.get_metrics()))
             tokens = sum(len(o.outputs[0].token_ids) for outputs in passes for o in outputs)
@@ -539,9 +544,12 @@ def _worker(args: argparse.Namespace) -> None:
                     if acc.num_draft_tokens
                     else None,
                     "host_probe_ms": probe,
+                    "host_probe_after_ms": probe_after,
                     "sm_clock_mhz": clock,
                 }
             )
+            if core is not None:
+                runs[str(b)][-1].update(core=core, core_probe_ms=core_probes)
             if lazy and lazy_before is not None:
                 runs[str(b)][-1]["lazy"] = lazy.since(lazy_before)
             if args.scopes:
@@ -632,9 +640,19 @@ def main() -> int:
         default=0,
         help="after start-up, move every engine's threads to the same N cores (the last N of "
         "this process's): the engines are timed in turn, so each cell then runs on the cores "
-        "the others ran on, and no engine is timed on faster or slower cores than another",
+        "the others ran on, and no engine is timed on faster or slower cores than another; "
+        "before each cell, the thread that steps the engine moves to the one of them that "
+        "runs the host probe fastest then (--any-core: not)",
+    )
+    parser.add_argument(
+        "--any-core",
+        action="store_true",
+        help="with --measure-cores: leave each cell's engine thread wherever the OS puts it "
+        "among those cores (runs before 2026-12-04), not on the one that runs the host probe "
+        "fastest just before the cell",
     )
     parser.add_argument("--measure-on", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--pick-core", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--scopes",
         action="store_true",
@@ -734,6 +752,7 @@ def main() -> int:
                 str(args.temperature),
                 *pinned,
                 *measure_on,
+                *["--pick-core"] * bool(measure_on and not args.any_core),
                 *["--scopes"] * args.scopes,
             ],  # fmt: skip
             engine_env(
@@ -763,6 +782,7 @@ def main() -> int:
         "engine_core": args.engine_core,
         "pinned_cores": args.pin_cores,
         "measure_cores": args.measure_cores,
+        "pick_core": bool(args.measure_cores and not args.any_core),
         "settle_s": args.settle_seconds,
         "results": results,
         "not_started": turns.not_started,
@@ -806,6 +826,11 @@ def print_tables(saved: dict[str, Any]) -> None:
         + (", each engine on its own CPU cores" if saved.get("pinned_cores") else "")
         + (
             f", every engine timed on the same {saved['measure_cores']} CPU cores"
+            + (
+                ", each cell's engine thread on the fastest of them"
+                if saved.get("pick_core")
+                else ""
+            )
             if saved.get("measure_cores")
             else ""
         )
@@ -866,6 +891,7 @@ def print_tables(saved: dict[str, Any]) -> None:
                 f"{statistics.median(ratios):4.2f}x ({min(ratios):4.2f} - {max(ratios):4.2f})"
             )
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
+    _print_host_matched(results, batches, paired)
     _print_targets(results, plain, batches, paired)
     _print_scopes(results, batches)
     _print_best_k(results, batches)
@@ -968,6 +994,70 @@ def _print_host_drift(
             later_mhz = statistics.median(c for cells in clocks for c in cells[1:])
             line += f"   SM {round0_mhz:5.0f} | {later_mhz:5.0f}"
         print(line)
+
+
+# A cell ran on a slow host when a probe around it (before or after its passes) took this much
+# longer than the run's fastest probe: the two speeds a core runs at are about 2x apart.
+SLOW_HOST = 1.3
+
+
+def _probes(cell: dict[str, Any]) -> list[float]:
+    """The host probes (ms) around one cell: before its passes, and after them where recorded."""
+    return [p for p in (cell.get("host_probe_ms"), cell.get("host_probe_after_ms")) if p]
+
+
+def _fast_host(cell: dict[str, Any], floor: float) -> bool:
+    return all(p <= SLOW_HOST * floor for p in _probes(cell))
+
+
+def _print_host_matched(
+    results: dict[str, Any], batches: list[str], paired: dict[str, str]
+) -> None:
+    """The figures again from cells that ran on a fast host only (every probe around the cell
+    within ``SLOW_HOST`` of the run's fastest): per engine, how many cells ran on a slow one
+    (round 0 | later rounds); per speculative engine, the paired steady ratio over the rounds
+    whose cells ran fast on both sides (median, pairs used / all), and the first pass, when it
+    ran fast, over the engine's fast steady cells. Host-bound cells run at about half speed on
+    a slow core, so a pair or a first pass that straddles the two speeds measures the host.
+    Runs saved before the probes were recorded print nothing."""
+    cells = [r for result in results.values() for b in batches for r in result["runs"][b]]
+    if not all(_probes(cell) for cell in cells):
+        return
+    floor = min(p for cell in cells for p in _probes(cell))
+    print(
+        f"\nhost-matched: cells whose probes ran within {SLOW_HOST}x of the run's fastest "
+        f"({floor:.3f} ms); slow cells in round 0 | later rounds; steady over in-tree on "
+        "rounds fast for both (median, pairs used / all) | first pass over own fast steady "
+        "cells (- where the first ran slow)"
+    )
+    for name, result in results.items():
+        slow0 = sum(not _fast_host(result["runs"][b][0], floor) for b in batches)
+        later = [r for b in batches for r in result["runs"][b][1:]]
+        slow = sum(not _fast_host(r, floor) for r in later)
+        line = f"  {name:24}slow {slow0}/{len(batches)} | {slow}/{len(later)}"
+        other = paired.get(name)
+        if other is None:
+            print(line)
+            continue
+        row = []
+        for b in batches:
+            runs, theirs = result["runs"][b], results[other]["runs"][b]
+            both = [(x, y) for x, y in zip(runs[1:], theirs[1:], strict=False)
+                    if _fast_host(x, floor) and _fast_host(y, floor)]  # fmt: skip
+            ratio = (
+                f"{statistics.median(x['tokens_per_s'] / y['tokens_per_s'] for x, y in both):4.2f}x"
+                if both
+                else "   - "
+            )
+            fast = [r["tokens_per_s"] for r in runs[1:] if _fast_host(r, floor)]
+            first = (
+                f"{runs[0]['tokens_per_s'] / statistics.median(fast):4.2f}"
+                if fast and _fast_host(runs[0], floor)
+                else "   -"
+            )
+            row.append(f"{ratio} ({len(both)}/{len(runs) - 1}) | {first}")
+        print(line)
+        print(f"{'':32}" + "".join(f"{c:>34}" for c in row))
 
 
 def _has_pass_times(results: dict[str, Any], batches: list[str]) -> bool:

@@ -26,6 +26,34 @@ def test_the_real_probe_takes_a_millisecond_or_so() -> None:
     assert 0.01 < host_probe.probe_ms() < 100
 
 
+def test_the_thread_moves_to_the_fastest_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Cores 2, 5 and 7 probe at 0.8, 0.4 and 0.9 ms: the thread is left on core 5 alone.
+    speed = {2: 0.8, 5: 0.4, 7: 0.9}
+    moves: list[set[int]] = []
+
+    def setaffinity(pid: int, cores: set[int]) -> None:
+        assert pid == 0  # the calling thread, not the process's other threads
+        moves.append(set(cores))
+
+    monkeypatch.setattr(host_probe.os, "sched_setaffinity", setaffinity)
+    monkeypatch.setattr(host_probe, "probe_ms", lambda repeats=5: speed[next(iter(moves[-1]))])
+    core, probes = host_probe.fastest_core([7, 2, 5])
+    assert core == 5 and probes == speed
+    assert moves == [{2}, {5}, {7}, {5}]
+
+
+def test_the_real_pick_leaves_the_thread_on_one_of_the_cores() -> None:
+    import os
+
+    cores = os.sched_getaffinity(0)
+    try:
+        core, probes = host_probe.fastest_core(cores, repeats=2)
+        assert set(probes) == cores and os.sched_getaffinity(0) == {core}
+        assert probes[core] == min(probes.values())
+    finally:
+        os.sched_setaffinity(0, cores)
+
+
 def _fake_nvml(mhz: int, clock_status: int = 0) -> Any:
     def clock_info(handle: Any, kind: int, out: Any) -> int:
         assert kind == 1  # the SM clock

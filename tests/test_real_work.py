@@ -461,6 +461,42 @@ def test_tables_show_the_host_of_round_0_against_the_later_rounds(tmp_path: Path
     )
 
 
+def test_host_matched_figures_leave_out_cells_on_a_slow_core(tmp_path: Path) -> None:
+    # Two engines, batch 1, four rounds; the host probe is 0.4 ms on a fast core, 0.8 on a
+    # slow one. In-tree's round 2 and ours' round 3 ran slow (after their passes, for ours):
+    # only round 1 is fast on both sides, and ours' slow round 0 has no host-matched ratio.
+    def cells(tps: list[float], before: list[float], after: list[float]) -> list[dict]:
+        runs = _runs(tps, 3.0)
+        for cell, b, a in zip(runs, before, after, strict=True):
+            cell.update(host_probe_ms=b, host_probe_after_ms=a)
+        return runs
+
+    saved = {
+        "pair": "trained",
+        "new_tokens": 128,
+        "results": {
+            "in-tree k=3 real": {
+                "startup_s": 40,
+                "runs": {"1": cells([90, 100, 50, 100], [0.4, 0.4, 0.8, 0.4], [0.4] * 4)},
+            },
+            "ours-V2 k=3 real": {
+                "startup_s": 50,
+                "runs": {"1": cells([60, 150, 200, 75], [0.8, 0.4, 0.4, 0.41], [0.4] * 3 + [0.8])},
+            },
+        },
+    }
+    text = _tables(saved, tmp_path).split("\nhost-matched: ")[1]
+    assert text.startswith("cells whose probes ran within 1.3x of the run's fastest (0.400 ms)")
+    lines = text.splitlines()
+    assert lines[1] == "  in-tree k=3 real        slow 0/1 | 1/3"
+    assert lines[2] == "  ours-V2 k=3 real        slow 1/1 | 1/3"
+    assert lines[3].split() == ["1.50x", "(1/3)", "|", "-"]
+    # Ours' first pass ran fast in the second run: over its fast steady cells' median, 175.
+    saved["results"]["ours-V2 k=3 real"]["runs"]["1"][0]["host_probe_ms"] = 0.4
+    lines = _tables(saved, tmp_path).split("\nhost-matched: ")[1].splitlines()
+    assert lines[3].split() == ["1.50x", "(1/3)", "|", f"{60 / 175:4.2f}"]
+
+
 def test_engine_turns_reverse_the_order_every_other_round(tmp_path: Path) -> None:
     from engine_turns import EngineTurns
 
