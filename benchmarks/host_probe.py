@@ -58,6 +58,26 @@ def fastest_core(cores: Iterable[int], repeats: int = 5) -> tuple[int, dict[int,
     return best, probes
 
 
+class CorePicks:
+    """One thread's moves to the core of ``cores`` that is fast at the moment, over a run of
+    passes: each pick's core and its probe (ms), every core's probes at the first pick, and
+    the seconds the picks took (the probing's, not the passes')."""
+
+    def __init__(self, cores: Iterable[int]) -> None:
+        self.cores = sorted(cores)
+        self.picks: list[tuple[int, float]] = []
+        self.first_probes: dict[int, float] = {}
+        self.seconds = 0.0
+
+    def pick(self) -> tuple[int, float]:
+        started = time.perf_counter()
+        core, probes = fastest_core(self.cores)
+        self.first_probes = self.first_probes or probes
+        self.picks.append((core, probes[core]))
+        self.seconds += time.perf_counter() - started
+        return core, probes[core]
+
+
 @functools.cache
 def _nvml_device() -> tuple[Any, ctypes.c_void_p] | None:
     """The NVIDIA driver's management library and its handle of GPU 0, or None without one."""

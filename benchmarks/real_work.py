@@ -428,16 +428,22 @@ def scopes_per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
 
 
 def timed_passes(
-    run_once: Callable[[], Any], min_seconds: float, min_passes: int = 1
+    run_once: Callable[[], Any],
+    min_seconds: float,
+    min_passes: int = 1,
+    between: Callable[[], Any] | None = None,
 ) -> tuple[list[Any], list[float]]:
     """Run ``run_once`` until ``min_seconds`` of wall time and ``min_passes`` passes have
     passed: the outputs of every pass and each pass's wall time. A pass of a tiny pair's batch
     lasts a tenth of a second, where one hiccup of the host moves its tokens/s by a tenth or
     more; the steady rounds time a second or more of the same work instead, and the pass
-    times show whether a slow cell was one slow pass or all of them."""
+    times show whether a slow cell was one slow pass or all of them. ``between`` runs before
+    every pass but the first, untimed (the worker's move to the core that is fast then)."""
     outputs: list[Any] = []
     walls: list[float] = []
     while True:
+        if outputs and between is not None:
+            between()
         start = time.perf_counter()
         outputs.append(run_once())
         walls.append(time.perf_counter() - start)
@@ -510,20 +516,29 @@ def _worker(args: argparse.Namespace) -> None:
         for turn, b in enumerate(batches, start=rnd * len(batches)):
             wait_turn(control, args.index, turn)
             # With the engine core in this process, this thread steps the engine: on the core
-            # that is fast now (--pick-core), or wherever the OS puts it among the others.
-            core, core_probes = host_probe.fastest_core(pick_from) if pick_from else (None, {})
-            probe = core_probes[core] if core is not None else host_probe.probe_ms()
+            # that is fast now, again before each later pass of the cell (a core's speed can
+            # change within one), with --pick-core; else wherever the OS puts it.
+            picks = host_probe.CorePicks(pick_from) if pick_from else None
+            probe = picks.pick()[1] if picks else host_probe.probe_ms()
+            pick = picks.pick if picks else None
             before = spec_metrics(llm.get_metrics())
             scopes = host_scopes.snapshot() if args.scopes else {}
             lazy_before = lazy.take() if lazy else None
             cpu = time.process_time()
+            picking = picks.seconds if picks else 0.0
 
             def run_again(b: int = b) -> Any:
                 return llm.generate(prompts[:b], params[:b], use_tqdm=False)
 
             # The first pass is one pass.
-            passes, walls = timed_passes(run_again, 0.0 if rnd == 0 else args.min_seconds)
+            passes, walls = timed_passes(
+                run_again,
+                0.0 if rnd == 0 else args.min_seconds,
+                between=pick,
+            )
             cpu = time.process_time() - cpu
+            if picks:  # a pick is one thread's busy work, not the engine's
+                cpu -= picks.seconds - picking
             clock = host_probe.gpu_sm_clock_mhz()  # as the passes left it
             probe_after = host_probe.probe_ms()  # did the core stay as fast through the cell
             wall = sum(walls)
@@ -548,8 +563,12 @@ def _worker(args: argparse.Namespace) -> None:
                     "sm_clock_mhz": clock,
                 }
             )
-            if core is not None:
-                runs[str(b)][-1].update(core=core, core_probe_ms=core_probes)
+            if picks:
+                runs[str(b)][-1].update(
+                    core_probe_ms=picks.first_probes,
+                    pass_cores=[core for core, _ in picks.picks],
+                    pass_probe_ms=[ms for _, ms in picks.picks],
+                )
             if lazy and lazy_before is not None:
                 runs[str(b)][-1]["lazy"] = lazy.since(lazy_before)
             if args.scopes:
@@ -560,7 +579,9 @@ def _worker(args: argparse.Namespace) -> None:
                 # The same batch again right after its first pass, apart from the cell's
                 # figures: passes a fraction of a second from the first, so at the host's
                 # speed of that moment (a steady round may run at another).
-                runs[str(b)][-1]["next_pass_s"] = timed_passes(run_again, 0.0, args.next_passes)[1]
+                runs[str(b)][-1]["next_pass_s"] = timed_passes(
+                    run_again, 0.0, args.next_passes, between=pick
+                )[1]
             turn_done(control, args.index, turn)
     Path(args.out).write_text(
         json.dumps(
@@ -1002,8 +1023,14 @@ SLOW_HOST = 1.3
 
 
 def _probes(cell: dict[str, Any]) -> list[float]:
-    """The host probes (ms) around one cell: before its passes, and after them where recorded."""
-    return [p for p in (cell.get("host_probe_ms"), cell.get("host_probe_after_ms")) if p]
+    """The host probes (ms) around one cell: before its passes, before each later pass (the
+    core picks') and after them, where recorded."""
+    around = [
+        cell.get("host_probe_ms"),
+        *cell.get("pass_probe_ms", []),
+        cell.get("host_probe_after_ms"),
+    ]
+    return [p for p in around if p]
 
 
 def _fast_host(cell: dict[str, Any], floor: float) -> bool:

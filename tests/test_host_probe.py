@@ -42,6 +42,21 @@ def test_the_thread_moves_to_the_fastest_core(monkeypatch: pytest.MonkeyPatch) -
     assert moves == [{2}, {5}, {7}, {5}]
 
 
+def test_core_picks_keep_each_pick_and_their_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Core 3 is fast at the first pick, core 1 at the second.
+    rounds = iter([{1: 0.9, 3: 0.4}, {1: 0.45, 3: 0.8}])
+    monkeypatch.setattr(host_probe, "fastest_core", lambda cores: _best(next(rounds)))
+    picks = host_probe.CorePicks([3, 1])
+    assert picks.cores == [1, 3] and picks.pick() == (3, 0.4) and picks.pick() == (1, 0.45)
+    assert picks.picks == [(3, 0.4), (1, 0.45)]
+    assert picks.first_probes == {1: 0.9, 3: 0.4}
+    assert picks.seconds > 0
+
+
+def _best(probes: dict[int, float]) -> tuple[int, dict[int, float]]:
+    return min(probes, key=probes.__getitem__), probes
+
+
 def test_the_real_pick_leaves_the_thread_on_one_of_the_cores() -> None:
     import os
 

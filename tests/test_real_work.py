@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -97,6 +98,14 @@ def _runs(tokens_per_s: list[float], length: float | None) -> list[dict]:
         {"tokens_per_s": t, "mean_accepted_length": length, "token_ids": [[1, 2], [3]]}
         for t in tokens_per_s
     ]
+
+
+def _cells(tokens_per_s: list[float], length: float | None, **fields: list[Any]) -> list[dict]:
+    """``_runs`` with more of each cell's fields, one list per field (a value per cell)."""
+    runs = _runs(tokens_per_s, length)
+    for i, cell in enumerate(runs):
+        cell.update({name: values[i] for name, values in fields.items()})
+    return runs
 
 
 def _saved_run() -> dict:
@@ -466,10 +475,7 @@ def test_host_matched_figures_leave_out_cells_on_a_slow_core(tmp_path: Path) -> 
     # slow one. In-tree's round 2 and ours' round 3 ran slow (after their passes, for ours):
     # only round 1 is fast on both sides, and ours' slow round 0 has no host-matched ratio.
     def cells(tps: list[float], before: list[float], after: list[float]) -> list[dict]:
-        runs = _runs(tps, 3.0)
-        for cell, b, a in zip(runs, before, after, strict=True):
-            cell.update(host_probe_ms=b, host_probe_after_ms=a)
-        return runs
+        return _cells(tps, 3.0, host_probe_ms=before, host_probe_after_ms=after)
 
     saved = {
         "pair": "trained",
@@ -491,7 +497,15 @@ def test_host_matched_figures_leave_out_cells_on_a_slow_core(tmp_path: Path) -> 
     assert lines[1] == "  in-tree k=3 real        slow 0/1 | 1/3"
     assert lines[2] == "  ours-V2 k=3 real        slow 1/1 | 1/3"
     assert lines[3].split() == ["1.50x", "(1/3)", "|", "-"]
-    # Ours' first pass ran fast in the second run: over its fast steady cells' median, 175.
+    # A slow pick before one of a cell's later passes makes the cell slow too: in-tree's
+    # round 1 now, which leaves no round fast on both sides.
+    in_tree = saved["results"]["in-tree k=3 real"]["runs"]["1"]
+    in_tree[1]["pass_probe_ms"] = [0.4, 0.8]
+    lines = _tables(saved, tmp_path).split("\nhost-matched: ")[1].splitlines()
+    assert lines[1] == "  in-tree k=3 real        slow 0/1 | 2/3"
+    assert lines[3].split() == ["-", "(0/3)", "|", "-"]
+    del in_tree[1]["pass_probe_ms"]
+    # Ours' first pass ran fast in the next run: over its fast steady cells' median, 175.
     saved["results"]["ours-V2 k=3 real"]["runs"]["1"][0]["host_probe_ms"] = 0.4
     lines = _tables(saved, tmp_path).split("\nhost-matched: ")[1].splitlines()
     assert lines[3].split() == ["1.50x", "(1/3)", "|", f"{60 / 175:4.2f}"]
@@ -550,14 +564,22 @@ def test_steady_cells_repeat_their_batch_for_the_minimum_time() -> None:
     assert min(walls) >= 0.01
     outputs, walls = real_work.timed_passes(run_once, 0.0, 3)  # the passes after a first
     assert len(outputs) == len(walls) == 3
+    # Work between passes (the move to a fast core) runs before every pass but the first,
+    # outside the passes' times.
+    order: list[str] = []
+    outputs, walls = real_work.timed_passes(
+        lambda: order.append("pass"),
+        0.0,
+        3,
+        between=lambda: (order.append("pick"), time.sleep(0.05)),
+    )
+    assert order == ["pass", "pick", "pass", "pick", "pass"]
+    assert sum(walls) < 0.05
 
 
 def test_host_table_shows_cpu_per_wall_and_the_pass_spread(tmp_path: Path) -> None:
     def runs(cpu: list[float], passes: list[list[float]]) -> list[dict]:
-        cells = _runs([100.0] * len(cpu), None)
-        for cell, c, p in zip(cells, cpu, passes, strict=True):
-            cell.update(cpu_per_wall=c, pass_s=p)
-        return cells
+        return _cells([100.0] * len(cpu), None, cpu_per_wall=cpu, pass_s=passes)
 
     saved = {
         "pair": "trained",
