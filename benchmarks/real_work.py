@@ -662,15 +662,15 @@ def main() -> int:
         help="after start-up, move every engine's threads to the same N cores (the last N of "
         "this process's): the engines are timed in turn, so each cell then runs on the cores "
         "the others ran on, and no engine is timed on faster or slower cores than another; "
-        "before each cell, the thread that steps the engine moves to the one of them that "
+        "before each pass, the thread that steps the engine moves to the one of them that "
         "runs the host probe fastest then (--any-core: not)",
     )
     parser.add_argument(
         "--any-core",
         action="store_true",
-        help="with --measure-cores: leave each cell's engine thread wherever the OS puts it "
-        "among those cores (runs before 2026-12-04), not on the one that runs the host probe "
-        "fastest just before the cell",
+        help="with --measure-cores: leave the engine's thread wherever the OS puts it among "
+        "those cores (runs before 2026-12-04), not on the one that runs the host probe "
+        "fastest just before each pass",
     )
     parser.add_argument("--measure-on", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--pick-core", action="store_true", help=argparse.SUPPRESS)
@@ -848,7 +848,7 @@ def print_tables(saved: dict[str, Any]) -> None:
         + (
             f", every engine timed on the same {saved['measure_cores']} CPU cores"
             + (
-                ", each cell's engine thread on the fastest of them"
+                ", the engine's thread on the fastest of them at each pass"
                 if saved.get("pick_core")
                 else ""
             )
@@ -1068,14 +1068,11 @@ def _print_host_matched(
             continue
         row = []
         for b in batches:
-            runs, theirs = result["runs"][b], results[other]["runs"][b]
-            both = [(x, y) for x, y in zip(runs[1:], theirs[1:], strict=False)
-                    if _fast_host(x, floor) and _fast_host(y, floor)]  # fmt: skip
-            ratio = (
-                f"{statistics.median(x['tokens_per_s'] / y['tokens_per_s'] for x, y in both):4.2f}x"
-                if both
-                else "   - "
+            runs = result["runs"][b]
+            both = _paired_ratios(
+                runs, results[other]["runs"][b], keep=lambda cell: _fast_host(cell, floor)
             )
+            ratio = f"{statistics.median(both):4.2f}x" if both else "   - "
             fast = [r["tokens_per_s"] for r in runs[1:] if _fast_host(r, floor)]
             first = (
                 f"{runs[0]['tokens_per_s'] / statistics.median(fast):4.2f}"
@@ -1200,9 +1197,16 @@ def _steady(runs: list[dict[str, Any]]) -> float:
     return statistics.median(r["tokens_per_s"] for r in runs[1:])
 
 
-def _paired_ratios(runs: list[dict[str, Any]], others: list[dict[str, Any]]) -> list[float]:
-    """Each steady round's tokens/s over the other engine's round of the same number."""
+def _paired_ratios(
+    runs: list[dict[str, Any]],
+    others: list[dict[str, Any]],
+    keep: Callable[[dict[str, Any]], bool] | None = None,
+) -> list[float]:
+    """Each steady round's tokens/s over the other engine's round of the same number; with
+    ``keep``, only the rounds whose cells it keeps on both sides."""
     pairs = zip(runs[1:], others[1:], strict=False)
+    if keep is not None:
+        pairs = ((x, y) for x, y in pairs if keep(x) and keep(y))
     return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in pairs]
 
 
