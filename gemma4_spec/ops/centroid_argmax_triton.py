@@ -919,10 +919,12 @@ def _compiled_programs_per_sm(kernel: object, limits: SmLimits) -> int:
     init = getattr(kernel, "_init_handles", None)
     if callable(init):
         init()  # loads the module: fills n_regs (and the driver's function handle)
-    meta = getattr(kernel, "metadata", None)
     n_regs = getattr(kernel, "n_regs", None)
-    shared = getattr(meta, "shared", None)  # Triton's field: shared-memory bytes per program
-    num_warps = getattr(meta, "num_warps", None)
+    try:  # Triton's compile metadata: shared-memory bytes and warps per program
+        meta = kernel.metadata  # type: ignore[attr-defined]
+        shared, num_warps = meta.shared, meta.num_warps
+    except AttributeError:
+        shared = num_warps = None
     if not (isinstance(n_regs, int) and isinstance(shared, int) and isinstance(num_warps, int)):
         raise AttributeError("no n_regs / metadata.shared / metadata.num_warps")
     resident = programs_per_sm(n_regs, shared, num_warps, limits)
