@@ -86,10 +86,15 @@ def test_other_batches_are_left_alone(change: dict, common: SimpleNamespace) -> 
     metadata = _verification_batch()
     for name, value in change.items():
         setattr(metadata, name, value)
-    before = (metadata.query_start_loc, metadata.seq_lens, metadata.block_table)
-    out = SplitKeyVerify(max_query_len=3, capacity=16).rewrite(common, metadata)
-    assert (out.query_start_loc, out.seq_lens, out.block_table) == before
-    assert out.max_query_len == metadata.max_query_len
+    # The rewrite works in place on the metadata it is given: compare with values saved first.
+    before = [
+        t.tolist() for t in (metadata.query_start_loc, metadata.seq_lens, metadata.block_table)
+    ]
+    split = SplitKeyVerify(max_query_len=3, capacity=16)
+    out = split.rewrite(common, metadata)
+    assert split.rewrites == 0
+    assert out.max_query_len == 3
+    assert [t.tolist() for t in (out.query_start_loc, out.seq_lens, out.block_table)] == before
 
 
 def _builder(**overrides: Any) -> SimpleNamespace:
@@ -169,13 +174,24 @@ def test_enabled_on_both_model_runners(vllm_026: None) -> None:
         assert patch_triton_attn._make_split_verify(builder) is not None
 
 
-def test_disabled_on_untested_vllm_versions() -> None:
+def test_disabled_on_untested_vllm_versions(monkeypatch: pytest.MonkeyPatch) -> None:
     from packaging.version import Version
 
     from gemma4_spec.compat import flat_verify_supported
 
     assert flat_verify_supported(Version("0.26.0"))
     assert not flat_verify_supported(Version("0.32.0"))
+    monkeypatch.delenv(FLAT_VERIFY_ENV, raising=False)
+    monkeypatch.setattr(patch_triton_attn, "flat_verify_supported", lambda: False)
+    assert patch_triton_attn._make_split_verify(_builder()) is None
+
+
+def test_disabled_without_the_split_kernels_scratch_size(vllm_026: None) -> None:
+    # Builders that size no 3D scratch (seq_threshold_3D 0 or missing) have no room for it.
+    assert patch_triton_attn._make_split_verify(_builder(seq_threshold_3D=0)) is None
+    builder = _builder()
+    del builder.seq_threshold_3D
+    assert patch_triton_attn._make_split_verify(builder) is None
 
 
 def test_apply_wraps_build_once_and_rewrites_verification_batches(vllm_026: None) -> None:
