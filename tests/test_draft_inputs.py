@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, triton_usable
 from gemma4_spec.ops.draft_inputs import (
     DraftStepBuffers,
     DraftStepSources,
@@ -67,7 +67,11 @@ def _random_step(
         positions=torch.full((cap,), -3, dtype=torch.long),
         hidden=torch.full((cap, h), float("nan"), dtype=torch.bfloat16),
         seq_lens=torch.full((cap,), -3, dtype=torch.int32),
-        tables=tuple(torch.full((cap, w), -3, dtype=torch.int32) for w in widths),
+        # Buffer tables wider and narrower than the runner's: rows copied to the narrower.
+        tables=tuple(
+            torch.full((cap, w + (8 if i % 2 == 0 else -1)), -3, dtype=torch.int32)
+            for i, w in enumerate(widths)
+        ),
     )
     move = {
         f: getattr(src, f) for f in ("next_token_ids", "positions", "hidden", "rows", "seq_lens")
@@ -96,7 +100,9 @@ CASES = [
 ]
 
 
-def _check_against_reference(device: str) -> None:
+def _check_against_reference(device: str, kernel: bool = True) -> None:
+    # kernel=False: the torch fallback, which CPU runs without Triton's interpreter.
+    assert triton_usable(torch.device(device)) is kernel, "not the path this check is for"
     for batch_size, size, q_len, widths, rejected in CASES:
         src, out = _random_step(batch_size, size, q_len, widths, rejected, device)
         stage_draft_inputs(src, out, batch_size, size)
@@ -106,11 +112,14 @@ def _check_against_reference(device: str) -> None:
             assert torch.equal(getattr(out, name)[:size], getattr(want, name)), (case, name)
             assert torch.all(getattr(out, name)[size : size + 1] != 0), (case, name, "past size")
         for got_t, want_t in zip(out.tables, want.tables, strict=True):
-            assert torch.equal(got_t[:size], want_t), case
+            width = min(got_t.shape[1], want_t.shape[1])
+            assert torch.equal(got_t[:size, :width], want_t[:, :width]), case
+            assert (got_t[:size, width:] == -3).all(), (case, "past the narrower width")
+            assert (got_t[size:] == -3).all(), (case, "past size")
 
 
 def test_staging_matches_reference_torch_fallback() -> None:
-    _check_against_reference("cpu")
+    _check_against_reference("cpu", kernel=False)
 
 
 def test_staging_rejects_mismatched_buffers() -> None:
@@ -189,7 +198,7 @@ def _random_v2_step(
     batch_size: int, size: int, q_len: int, device: str
 ) -> tuple[RunnerV2Step, DraftStepBuffers, torch.Tensor]:
     gen = torch.Generator().manual_seed(batch_size * 100 + size)
-    n, h, cap, states = batch_size * q_len, 1536, 64, 80
+    n, h, cap, states = batch_size * q_len, 1536, 72, 80  # cap > every size: rows past it
 
     def ints(low: int, high: int, *shape: int) -> torch.Tensor:
         return torch.randint(low, high, shape, generator=gen, dtype=torch.int32)
@@ -226,7 +235,9 @@ def _random_v2_step(
 V2_CASES = [(1, 1, 4), (1, 4, 4), (5, 8, 3), (16, 16, 4), (3, 24, 1), (64, 64, 2)]
 
 
-def _check_runner_v2_against_reference(device: str) -> None:
+def _check_runner_v2_against_reference(device: str, kernel: bool = True) -> None:
+    # kernel=False: the torch fallback, which CPU runs without Triton's interpreter.
+    assert triton_usable(torch.device(device)) is kernel, "not the path this check is for"
     for batch_size, size, q_len in V2_CASES:
         step, out, starts = _random_v2_step(batch_size, size, q_len, device)
         stage_runner_v2_inputs(step, out, starts, batch_size, size)
@@ -240,7 +251,7 @@ def _check_runner_v2_against_reference(device: str) -> None:
 
 
 def test_runner_v2_staging_matches_reference_torch_fallback() -> None:
-    _check_runner_v2_against_reference("cpu")
+    _check_runner_v2_against_reference("cpu", kernel=False)
 
 
 def test_runner_v2_staging_rejects_bad_buffers() -> None:
@@ -253,7 +264,7 @@ def test_runner_v2_staging_rejects_bad_buffers() -> None:
     with pytest.raises(ValueError, match="keeps its block tables"):
         stage_runner_v2_inputs(step, with_tables, starts, 2, 4)
     with pytest.raises(ValueError, match="exceed"):
-        stage_runner_v2_inputs(step, out, torch.zeros(80, dtype=torch.int32), 2, 65)
+        stage_runner_v2_inputs(step, out, torch.zeros(80, dtype=torch.int32), 2, 73)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
