@@ -107,3 +107,25 @@ def test_float32_argmax_agrees_with_reference_logit_value() -> None:
     ref_logits = masked_logits_reference(hidden, lm_head, mask)
     chosen = ref_logits.gather(1, got[:, None]).squeeze(1)
     torch.testing.assert_close(chosen, ref_logits.max(dim=1).values, rtol=1e-5, atol=1e-5)
+
+
+def test_candidates_hand_worked() -> None:
+    # 8 tokens in 4 centroids of 2: the ordering lists centroid 0's tokens first, then 1's...
+    ordering = torch.tensor([5, 2, 7, 0, 3, 6, 1, 4])  # 0: {5, 2}, 1: {7, 0}, 2: {3, 6}, 3: {1, 4}
+    centroids = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
+    mask = CentroidMask(centroids, ordering, top_k=2)
+    hidden = torch.tensor([[2.0, 1.0], [-1.0, -3.0]])  # top-2 centroids: (0, 1), then (3, 2)
+    assert mask.candidates(hidden).tolist() == [[5, 2, 7, 0], [1, 4, 3, 6]]
+
+
+def test_masked_logits_reference_agrees_with_the_fp32_reference() -> None:
+    # Two references written apart (the candidates' ids against a token -> centroid map) must
+    # keep the same tokens.
+    from gemma4_spec.ops.centroid_argmax_triton import masked_logits_fp32_reference
+
+    lm_head, mask = _head(top_k=4, seed=6)
+    mask = CentroidMask(mask.centroids_weight, mask.token_ordering, 4, torch.tensor([0, 1, 9]))
+    hidden = _hidden(16, lm_head)
+    ours = masked_logits_reference(hidden, lm_head, mask)
+    fp32 = masked_logits_fp32_reference(hidden, lm_head, mask)
+    assert torch.equal(torch.isinf(ours), torch.isinf(fp32))

@@ -253,6 +253,10 @@ def test_persistent_programs_per_token(num_tokens: int, dtype: torch.dtype) -> N
     progs = persistent_programs(mask, hidden, lm_head)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert progs == 0 or (progs & (progs - 1) == 0 and num_tokens * progs <= 32 * sms)
+    if dtype == torch.bfloat16 and num_tokens < triton_ops.CENTROID_MIN_TOKENS:
+        # Where the dispatcher sends real drafts to it, the persistent kernel must fit (with
+        # P = 0 a forced "persistent" quietly runs the centroid-major path instead).
+        assert progs > 0
     got = centroid_argmax_fused(mask, hidden, lm_head, path="persistent")
     _assert_tokens(got, hidden, lm_head, mask)
     graph = torch.cuda.CUDAGraph()
@@ -428,6 +432,12 @@ def _interpreter_checks(group: str = "paths") -> None:
     if group == "special":
         _interpreter_special_checks()
         return
+    # The persistent kernel itself runs below up to 16 tokens (one "SM" a program under the
+    # interpreter); past that a forced "persistent" runs the centroid-major path.
+    lm_head, mask = _make(**TINY, dtype=torch.float32, device="cpu", seed=91)
+    for num_tokens, fits in ((1, True), (3, True), (5, True), (16, True), (17, False)):
+        hidden = _hidden(num_tokens, TINY["d"], torch.float32, "cpu", seed=92)
+        assert (persistent_programs(mask, hidden, lm_head) > 0) is fits, num_tokens
     for dtype in (torch.float32, torch.bfloat16):
         for path in PATHS:
             if path == "auto" and dtype != torch.float32:
