@@ -44,7 +44,9 @@ def test_draft_layers_get_their_source_layers_scales() -> None:
     assert layers["model.layers.3.attn"]._k_scale.item() == 2.0
 
 
-def test_layers_without_a_source_or_scales_are_skipped() -> None:
+def test_a_layer_without_a_source_is_skipped_one_without_scale_tensors_gets_the_floats() -> None:
+    # "own" reads no target layer: left as it is, not counted. "bare" reads one but has no
+    # scale tensors to copy into: it still takes the float scales, and counts.
     plain = nn.Module()
     plain.kv_sharing_target_layer_name = "t"
     layers = {"t": _layer(3.0, 3.0), "own": _layer(1.0, 1.0), "bare": plain}
