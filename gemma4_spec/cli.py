@@ -9,25 +9,38 @@ import sys
 from pathlib import Path
 
 DEFAULT_WORKDIR = Path("runs/tiny")
+# What the input checks raise (a count below 1, a missing checkpoint, an assistant that does not
+# fit, a missing optional package): reported in one line with exit status 2, as argparse does
+# for a bad flag. Anything raised later is a defect and keeps its traceback.
+_INPUT_ERRORS = (ValueError, OSError, ImportError)
+
+
+def _refuse(command: str, error: Exception) -> int:
+    print(f"gemma4-spec {command}: {error}", file=sys.stderr)
+    return 2
 
 
 def _demo(args: argparse.Namespace) -> int:
     # The demo's own summary is what matters here; VLLM_LOGGING_LEVEL=INFO brings vLLM's back.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from gemma4_spec.data import gsm8k
-    from gemma4_spec.report import ReportConfig, format_report, run_report
+    from gemma4_spec.report import ReportConfig, check_config, format_report, run_report
 
     target, assistant = _shipped_pair(args)
     print(f"Gemma 4 target:    {target}")
     print(f"Gemma 4 assistant: {assistant} (k={args.k} drafts per target step)")
-    problems = gsm8k.load("test", limit=args.num_prompts, folder=args.gsm8k)
-    config = ReportConfig(
-        target=target,
-        assistant=assistant,
-        k=args.k,
-        num_prompts=len(problems),
-        max_tokens=args.max_tokens,
-    )
+    try:
+        problems = gsm8k.load("test", limit=args.num_prompts, folder=args.gsm8k)
+        config = ReportConfig(
+            target=target,
+            assistant=assistant,
+            k=args.k,
+            num_prompts=len(problems) if problems else args.num_prompts,
+            max_tokens=args.max_tokens,
+        )
+        check_config(config)
+    except _INPUT_ERRORS as error:
+        return _refuse("demo", error)
     report = run_report(config, questions=[p.question for p in problems])
     print("\n" + "=" * 72)
     print(f"GSM8k question: {problems[0].question}")
@@ -55,6 +68,7 @@ def _report(args: argparse.Namespace) -> int:
         ReportConfig,
         check_config,
         format_report,
+        gsm8k_questions,
         run_report,
         write_report,
     )
@@ -73,9 +87,13 @@ def _report(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         draft_method=args.draft_method,
     )
-    check_config(config)
-    require_matplotlib()
-    report = run_report(config, command=["gemma4-spec", *sys.argv[1:]])
+    try:
+        check_config(config)
+        require_matplotlib()
+        questions = gsm8k_questions(config.num_prompts, config.gsm8k)
+    except _INPUT_ERRORS as error:
+        return _refuse("report", error)
+    report = run_report(config, questions=questions, command=["gemma4-spec", *sys.argv[1:]])
     print(format_report(report))
     json_path, png_path = write_report(report, args.out)
     print(f"wrote {json_path} and {png_path}")

@@ -12,7 +12,7 @@ import pytest
 from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.cli import main
 from gemma4_spec.metrics import SPEC_PREFIX, Acceptance
-from gemma4_spec.report import JSON_NAME, PNG_NAME
+from gemma4_spec.report import JSON_NAME, PNG_NAME, ReportConfig, check_config
 from gemma4_spec.validation import AssistantMismatchError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -45,26 +45,45 @@ def test_acceptance_of_a_run_without_drafts() -> None:
 
 
 def test_missing_assistant_is_rejected_before_any_engine(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
     target = tmp_path / "target"  # only its config.json is looked at
     target.mkdir()
     (target / "config.json").write_text("{}")
     missing = tmp_path / "no-such-assistant"
-    with pytest.raises(FileNotFoundError, match="no-such-assistant"):
-        main(["report", "--target", str(target), "--assistant", str(missing)])
-    with pytest.raises(FileNotFoundError, match="not a checkpoint folder"):
-        # looks like a hub id, but its first folder is here: a local path that is missing
-        main(["report", "--target", str(target), "--assistant", "target/no-such-assistant"])
-    with pytest.raises(ValueError, match="k must be at least 1"):
-        main(["report", "--target", str(target), "--assistant", str(target), "--k", "0"])
-    with pytest.raises(ValueError, match="temperature must be 0"):
-        main(["report", "--target", str(target), "--assistant", str(target)]
-             + ["--temperature", "-0.5"])  # fmt: skip
+
+    def refused(*extra: str) -> str:
+        """The command's exit status is 2 and its one-line message on stderr."""
+        assert main(["report", "--target", str(target), *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("gemma4-spec report: ") and err.count("\n") == 1, err
+        return err
+
+    assert "no-such-assistant" in refused("--assistant", str(missing))
+    # looks like a hub id, but its first folder is here: a local path that is missing
+    assert "not a checkpoint folder" in refused("--assistant", "target/no-such-assistant")
+    assert "k must be at least 1, not 0" in refused("--assistant", str(target), "--k", "0")
+    assert "temperature must be 0" in refused("--assistant", str(target), "--temperature", "-0.5")
     with pytest.raises(SystemExit):  # argparse: not one of the draft methods
         main(["report", "--target", str(target), "--assistant", str(target)]
              + ["--draft-method", "sampled"])  # fmt: skip
+
+
+def test_bad_input_ends_the_command_without_a_traceback(tmp_path: Path) -> None:
+    """What a user sees from the installed command: one line naming the problem, status 2."""
+    for command in (
+        ["report", "--k", "0"],
+        ["report", "--gsm8k", str(tmp_path / "no-gsm8k")],
+        ["demo", "--num-prompts", "0"],
+    ):
+        out = subprocess.run(
+            [sys.executable, "-m", "gemma4_spec.cli", *command],
+            capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        )  # fmt: skip
+        assert out.returncode == 2, out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.strip().splitlines()[-1].startswith(f"gemma4-spec {command[0]}: ")
 
 
 @pytest.mark.engine
@@ -117,8 +136,9 @@ def test_report_on_the_shipped_pair(tmp_path: Path) -> None:
 
 def test_an_assistant_that_does_not_fit_is_rejected_before_any_engine() -> None:
     target, _ = tiny_gsm8k_pair()
-    with pytest.raises(AssistantMismatchError):
-        main(["report", "--target", str(target), "--assistant", str(target)])
+    with pytest.raises(AssistantMismatchError, match="not a Gemma 4 assistant"):
+        check_config(ReportConfig(target=str(target), assistant=str(target), k=3))
+    assert main(["report", "--target", str(target), "--assistant", str(target)]) == 2
 
 
 @pytest.mark.engine
