@@ -16,6 +16,7 @@ from gemma4_spec.testing.near_ties import (
     divergences,
     first_divergence,
     judge,
+    reference_last_logits,
 )
 
 # tests/test_gpu_families.py's prompts (``gpu_family_prompts``): the third one's 32 greedy
@@ -86,3 +87,16 @@ def test_a_divergence_at_a_clear_winner_is_flagged(
 def test_equal_outputs_need_no_reference(prompts: list[list[int]]) -> None:
     # No model is loaded when nothing differs (the path does not exist).
     assert divergences("/nonexistent", prompts, [H200_PLAIN], [H200_PLAIN]) == []
+
+
+def test_a_moe_target_is_judged_in_float64(
+    tmp_path_factory: pytest.TempPathFactory, prompts: list[list[int]]
+) -> None:
+    # The 26B-A4B family's experts run in float64 too (transformers' grouped matmul refuses
+    # it): its reference's best token against its worst is a divergence, and no near tie.
+    target, _ = build_family_pair("26b-a4b", tmp_path_factory.mktemp("near-ties") / "moe")
+    (row,) = reference_last_logits(target, prompts[:1])
+    best, worst = int(row.argmax()), int(row.argmin())
+    (found,) = divergences(target, prompts[:1], [[best]], [[worst]])
+    assert (found.position, found.gap_ours) == (0, 0.0)
+    assert found.gap_plain > 0 and not found.explained, str(found)

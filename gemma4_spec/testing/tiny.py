@@ -621,9 +621,10 @@ def hf_draft_step(
 
 def reference_model(target_path: str | Path, dtype: torch.dtype) -> Any:
     """The target as transformers runs it, the reference of plain decoding: the checkpoint's own
-    architecture in ``dtype``, eager attention, in evaluation mode."""
+    architecture in ``dtype``, eager attention and experts (transformers' grouped-matmul experts
+    take no float64, which the near-tie judge runs MoE targets in), in evaluation mode."""
     return AutoModelForCausalLM.from_pretrained(
-        str(target_path), dtype=dtype, attn_implementation="eager"
+        str(target_path), dtype=dtype, attn_implementation="eager", experts_implementation="eager"
     ).eval()
 
 
