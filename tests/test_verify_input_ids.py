@@ -32,6 +32,16 @@ def test_hand_worked_step() -> None:
     assert not got.in_place
 
 
+def test_in_place_needs_the_carried_rows_together() -> None:
+    # One token each, rows kept: a slice copy of the previous sampled tokens...
+    kept = carried_tokens(np.array([0, 1, 2]), np.zeros(3), np.array([1, 2, 3]), 2)
+    assert kept.in_place
+    # ...but not with a new request in a freed row between carried ones: row 1's token is its
+    # prompt's, not the previous step's row 1.
+    gap = carried_tokens(np.array([0, -1, 2]), np.zeros(3), np.array([1, 2, 3]), 2)
+    assert gap.sampled_dst.tolist() == [0, 2] and not gap.in_place
+
+
 def _runner(device: str, rng: np.random.Generator, writer: VerifyInputIds | None):  # type: ignore[no-untyped-def]
     """A random async step: what vLLM's ``_prepare_input_ids`` reads of its runner."""
     from vllm.v1.utils import CpuGpuBuffer
@@ -53,7 +63,14 @@ def _runner(device: str, rng: np.random.Generator, writer: VerifyInputIds | None
         num_reqs = prev_reqs
         prev_positions = np.arange(prev_reqs)
         drafts = np.full(num_reqs, int(rng.integers(0, k_prev + 1)))
-    scheduled = np.where(prev_positions >= 0, drafts + 1, rng.integers(1, 20, num_reqs))
+    new_lens = rng.integers(1, 20, num_reqs)
+    if prev_reqs > 2 and rng.random() < 0.15:  # rows kept, one token each, a new one between
+        num_reqs = prev_reqs
+        prev_positions = np.arange(prev_reqs)
+        prev_positions[int(rng.integers(0, prev_reqs - 1))] = -1
+        drafts = np.zeros(num_reqs, dtype=np.int64)
+        new_lens = np.ones(num_reqs, dtype=np.int64)
+    scheduled = np.where(prev_positions >= 0, drafts + 1, new_lens)
     cu = np.cumsum(scheduled)
     input_ids = CpuGpuBuffer(512, dtype=torch.int32, device=torch.device(device), pin_memory=False)
     input_ids.np[: cu[-1]] = rng.integers(0, 1000, cu[-1])  # the host's view of the step

@@ -83,6 +83,33 @@ def test_matches_vllm(device: str) -> None:
             assert torch.equal(getattr(got, field), getattr(want, field)), field
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_steps_that_look_alike_and_a_grown_buffer_match_vllm(device: str) -> None:
+    """Consecutive steps that share drafts or counts but not both (a decoding request beside a
+    prefill's last, shorter chunk) are built anew; a batch too large for the transfer buffer
+    replaces it, and the small shape after it is laid out again in the new one."""
+    input_ids = torch.randint(0, 1000, (4096,), dtype=torch.int32, device=device)
+    vllm_calc = vllm_spec_decode_metadata(device, input_ids, 4096)
+    builder = VerifyMetadataBuilder(torch.device(device))
+    big = (np.full(256, 3, dtype=np.int32), np.arange(1, 257) * 4)  # 256 requests at k=3
+    steps = [
+        (np.array([3, 0], dtype=np.int32), np.array([4, 68])),
+        (np.array([3, 0], dtype=np.int32), np.array([4, 34])),  # same drafts, other counts
+        (np.array([3, 0], dtype=np.int32), np.array([4, 10])),
+        (np.array([0, 5], dtype=np.int32), np.array([4, 10])),  # same counts, other drafts
+        big,
+        (np.array([0, 5], dtype=np.int32), np.array([4, 10])),  # the small shape again
+    ]
+    for i, (drafts, cu_scheduled) in enumerate(steps):
+        input_ids.random_(0, 1000)
+        want = vllm_calc(drafts, cu_scheduled)
+        got = builder.build(drafts, cu_scheduled, input_ids)
+        assert got.num_draft_tokens == want.num_draft_tokens, i
+        for field in FIELDS:
+            assert torch.equal(getattr(got, field), getattr(want, field)), (i, field)
+    assert builder.reuses == 0
+
+
 def test_runner_routes_to_our_builder_only_for_our_drafter() -> None:
     import vllm.v1.worker.gpu_model_runner as runner_module
 
