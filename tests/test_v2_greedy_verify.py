@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, triton_usable
 from gemma4_spec.ops.greedy_verify import (
     SyntheticAcceptance,
     compile_greedy_verify_rows,
@@ -83,6 +83,7 @@ def _random_batch(seed: int, device: str, max_rows: int = 5) -> tuple[torch.Tens
 
 
 def _check_kernel_against_reference(device: str) -> None:
+    assert triton_usable(torch.device(device)), "no kernel would run: reference against itself"
     compile_greedy_verify_rows(torch.device(device), 5)  # runs where the kernel does
     for seed in range(20):
         best, input_ids, logits_indices, cu = _random_batch(seed, device)
@@ -152,10 +153,6 @@ def test_synthetic_acceptance_needs_the_kernel_to_draw() -> None:
     best, input_ids, logits_indices, cu = _random_batch(0, "cpu")
     with pytest.raises(ValueError, match="Triton"):
         greedy_verify_rows(best, input_ids, logits_indices, cu, 5, _synthetic(0, cu, 9, "cpu"))
-
-
-def test_torch_fallback_is_the_reference() -> None:
-    _check_kernel_against_reference("cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
