@@ -7,8 +7,8 @@
 * ``patch/patch_cpu_generators.py``: vLLM's rewind of a discarded request's generator raises
   on a CPU generator; ours winds it back to its state before sampling.
 
-Fast: no engine. The engine-level consequences (seeded requests with chunked prefill, top_k=1)
-are in ``test_engine_sampling.py``.
+Fast: no engine. The engine-level consequences: seeded requests with chunked prefill in
+``test_engine_e2e.py``, top_k=1 in ``test_engine_sampling.py``.
 """
 
 from __future__ import annotations

