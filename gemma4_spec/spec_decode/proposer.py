@@ -78,6 +78,9 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         self.sampler: GraphedGreedySampler | None = None
         # Whole greedy draft loops from CUDA graphs (captured with the runner's graphs).
         self.loop_graphs: DraftLoopGraphs | None = None
+        # Proposals whose drafts were sampled from the assistant's distribution (their
+        # probabilities handed to the rejection sampler), not taken greedily.
+        self.probabilistic_proposals = 0
         # The runner's verification index arrays, built in one transfer (the runner asks it
         # through patch/patch_gpu_model_runner.py; None: vLLM builds them).
         self.verify_metadata = (
@@ -269,6 +272,7 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
 
         if draft_probs:
             self._last_draft_probs = torch.stack(draft_probs, dim=1).contiguous()
+            self.probabilistic_proposals += 1
         return torch.stack(draft_tokens, dim=1)
 
     def _one_query_per_request(

@@ -157,6 +157,9 @@ class RunResult:
     # (spec_decode/draft_start.py), and how many of those launches replayed a CUDA graph.
     draft_start_calls: int = 0
     draft_start_graph_replays: int = 0
+    # V1 proposals that sampled their drafts and handed their probabilities on (spec_decode/
+    # proposer.py; draft_sample_method "probabilistic", some request not greedy).
+    probabilistic_proposals: int = 0
     # Async scheduling's computed-token corrections replayed from CUDA graphs
     # (spec_decode/computed_tokens.py).
     correction_graph_replays: int = 0
@@ -326,6 +329,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "verify_input_ids_uniform": 0 if input_ids is None else input_ids.uniform_writes,
         "verify_metadata_reuses": 0 if verify_metadata is None else verify_metadata.reuses,
         "draft_start_calls": 0 if start is None else start.calls,
+        "probabilistic_proposals": getattr(drafter, "probabilistic_proposals", 0),
         "draft_start_graph_replays": 0
         if start is None
         else start.next_launches.replays + start.row_launches.replays,
