@@ -54,6 +54,7 @@ BAD: tuple[dict[str, Any], ...] = (
     dict(temperature=-1.0),
     dict(temperature=1.0, extra_body={"top_k": -7}),
 )
+BAD_NAMES = ("top_p", "temperature", "top_k")  # what each refusal must name
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Reply:
     texts: dict[int, str] = field(default_factory=dict)  # by choice index
     finished: dict[int, str] = field(default_factory=dict)  # finish_reason, by choice index
     status: int | None = None  # HTTP status of a refused request
+    message: str = ""  # and what the server said of it
     error: str | None = None  # anything else that went wrong
 
 
@@ -81,7 +83,7 @@ def _stream(server: Server, kind: str, question: int, params: dict[str, Any]) ->
                 if choice.finish_reason:
                     reply.finished[choice.index] = choice.finish_reason
     except APIStatusError as e:
-        reply.status = e.status_code
+        reply.status, reply.message = e.status_code, str(e)
     except Exception as e:  # noqa: BLE001 - a dropped connection must fail the test, with its text
         reply.error = f"{type(e).__name__}: {e}"
     return reply
@@ -112,7 +114,10 @@ def test_64_mixed_streams(
         assert [r.error for r in replies if r.error] == []
         statuses = [r.status for r in replies]
         assert not [s for s in statuses if s is not None and s >= 500], statuses
-        assert [r.status for r in replies if r.kind == "bad"] == [400] * len(BAD)
+        bad = [r for r in replies if r.kind == "bad"]
+        assert [r.status for r in bad] == [400] * len(BAD)
+        for r, name in zip(bad, BAD_NAMES, strict=True):  # a message that says what is wrong
+            assert name in r.message, (name, r.message)
         good = [r for r in replies if r.kind != "bad"]
         assert all(r.status is None for r in good), [(r.kind, r.status) for r in good]
         assert _healthy(spec)
