@@ -64,6 +64,34 @@ def test_matches_vllms_function() -> None:
         assert correction.launches.replays == 5  # captured at the first call, then replayed
 
 
+def test_matches_vllms_function_as_the_batch_changes() -> None:
+    """The runner's buffers keep their addresses while the batch's length changes: a replay of
+    a graph captured for another length would correct the wrong requests."""
+    from vllm.v1.spec_decode.utils import update_num_computed_tokens_for_batch_change as vllms
+
+    correction = GraphedCorrection(vllms)
+    gen = torch.Generator().manual_seed(1)
+    ours_buffers, theirs_buffers = _tensors(64, 64), _tensors(64, 64)
+    correction.register(ours_buffers[0])
+
+    def views(buffers: list[torch.Tensor], n_prev: int, n: int) -> list[torch.Tensor]:
+        b = buffers
+        return [b[0], b[1][:n], b[2][:n], b[3][:n_prev], b[4], b[5][:n]]
+
+    lengths = [(6, 5), (6, 5), (5, 3), (6, 5), (5, 3), (3, 7)]
+    for n_prev, n in lengths:
+        ours, theirs = views(ours_buffers, n_prev, n), views(theirs_buffers, n_prev, n)
+        _refill(ours, gen, n_prev)
+        for a, b in zip(theirs, ours, strict=True):
+            a.copy_(b)
+        correction(*ours)
+        vllms(*theirs)
+        assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1]), (n_prev, n)
+    if DEVICE == "cuda":  # one graph per set of lengths, each replayed when it comes back
+        assert correction.launches.captured == len(set(lengths))
+        assert correction.launches.replays == len(lengths) - len(set(lengths))
+
+
 def test_unregistered_runners_call_vllm_as_it_is() -> None:
     calls = []
     correction = GraphedCorrection(lambda *args, **kwargs: calls.append(len(args)))

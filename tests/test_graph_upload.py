@@ -127,7 +127,10 @@ def test_an_uploaded_graph_replays_what_it_captured_cuda() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out.copy_(torch.tanh(x @ w))
+    out.zero_()
     assert upload_graphs([graph]) == 1
+    torch.cuda.synchronize()
+    assert not out.any()  # an upload runs nothing
     x.copy_(torch.randn_like(x))
     graph.replay()
     torch.cuda.synchronize()

@@ -431,8 +431,8 @@ def _check_against_vllms_rejection_sample(device: str) -> None:
         synthetic_run = seed >= 12  # the second half: synthetic acceptance
         best, input_ids, logits_indices, cu = _random_batch(seed, device, max_rows=k + 1)
         gen = torch.Generator().manual_seed(seed)
-        logits = torch.randn(best.shape[0], vocab, generator=gen)
-        logits[torch.arange(best.shape[0]), best] += 10.0  # the best token, by construction
+        logits = torch.randn(best.shape[0], vocab, generator=gen).to(device)
+        logits[torch.arange(best.shape[0], device=device), best] += 10.0  # the best, by design
         rows = (cu[1:] - cu[:-1]).long()
         synthetic = _synthetic(seed, cu, input_ids.shape[0], device)
         if synthetic_run:
@@ -447,8 +447,8 @@ def _check_against_vllms_rejection_sample(device: str) -> None:
             positions[logits_indices],
             idx_mapping,
             torch.repeat_interleave(idx_mapping, rows),
-            torch.cat([torch.arange(int(n), dtype=torch.int32) for n in rows]),
-            torch.zeros(synthetic.seeds.shape[0]),  # temperature 0: greedy
+            torch.cat([torch.arange(int(n), dtype=torch.int32, device=device) for n in rows]),
+            torch.zeros(synthetic.seeds.shape[0], device=device),  # temperature 0: greedy
             synthetic.seeds,
             k,
             synthetic.rates[:k] if synthetic_run else None,
@@ -466,6 +466,13 @@ def _check_against_vllms_rejection_sample(device: str) -> None:
         assert our_counts.tolist() == counts.tolist(), seed
         for i, n in enumerate(counts.tolist()):  # vLLM leaves the rest of a row unwritten
             assert ours[i, :n].tolist() == sampled[i, :n].tolist(), (seed, i)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_matches_vllms_own_rejection_sampling_for_greedy_batches_cuda() -> None:
+    # On the GPU machine this is the vLLM the patch is installed on (0.26).
+    pytest.importorskip("vllm")
+    _check_against_vllms_rejection_sample("cuda")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
