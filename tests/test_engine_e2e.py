@@ -176,6 +176,7 @@ def test_counters_are_consistent(runs, kind: str, k: int) -> None:  # type: igno
     drafts = m["vllm:spec_decode_num_drafts"]
     per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert drafts > 0
+    assert m["vllm:spec_decode_num_accepted_tokens"] > 0  # the acceptance path ran too
     assert m["vllm:spec_decode_num_draft_tokens"] == k * drafts
     assert len(per_pos) == k and sum(per_pos) == m["vllm:spec_decode_num_accepted_tokens"]
     # A draft at position i is accepted only if every earlier one was.
