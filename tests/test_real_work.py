@@ -251,27 +251,120 @@ def test_both_engine_cores_in_one_run(tmp_path: Path) -> None:
     assert "1.10x" in ours_own  # against in-tree in its own process
 
 
-def test_targets_name_what_misses(tmp_path: Path) -> None:
-    saved = {
-        "pair": "e2b",
-        "new_tokens": 128,
-        "results": {
-            "plain": {"startup_s": 30, "runs": {"1": _runs([90, 100, 100], None)}},
-            "in-tree k=2 zero": {"startup_s": 40, "runs": {"1": _runs([70, 80, 80], 1.0)}},
-            "ours-V2 k=2 zero": {"startup_s": 50, "runs": {"1": _runs([60, 95, 80], 1.0)}},
-            "in-tree k=2 field": {"startup_s": 40, "runs": {"1": _runs([190, 200, 200], 2.3)}},
-            "ours-V2 k=2 field": {"startup_s": 50, "runs": {"1": _runs([240, 240, 240], 2.3)}},
-        },
+def _targets(results: dict, tmp_path: Path, **saved: Any) -> dict[str, str]:
+    """The targets table of a saved run: each row's cells after its name, joined by ' | '."""
+    text = _tables({"pair": "e2b", "new_tokens": 128, "results": results, **saved}, tmp_path)
+    rows = {}
+    for row in text.split("\ntargets:")[1].splitlines()[1:]:
+        if not row.strip() or "\n" in row:
+            continue
+        name = next(
+            (n for n in [*results, *saved.get("not_started", {})] if row.startswith(n + " ")), None
+        )
+        if name is not None and name.startswith("ours"):
+            rows[name] = " | ".join(c.strip() for c in row[len(name) :].split("  ") if c.strip())
+        elif row.startswith("not measured"):
+            rows["left out"] = row
+    return rows
+
+
+def _engines(tps: dict[str, list[float]], batch: str = "1", length: float = 2.0) -> dict:
+    return {
+        name: {"startup_s": 40, "runs": {batch: _runs(t, None if name == "plain" else length)}}
+        for name, t in tps.items()
     }
-    targets = _tables(saved, tmp_path).split("\ntargets:")[1].splitlines()
-    (zero,) = [row for row in targets if row.startswith("ours-V2 k=2 zero")]
-    # Paired with in-tree: 95/80 and 80/80, median 1.09x; first pass 60 of a steady 87.5;
-    # a step costs 100/95 and 100/80 of plain's: median 1.15, rounds 1.05 - 1.25 apart.
-    assert (
-        zero.removeprefix("ours-V2 k=2 zero").strip() == "1.09x, first 0.69, step 1.15 (1.05-1.25)"
+
+
+def test_targets_name_what_misses(tmp_path: Path) -> None:
+    results = _engines(
+        {
+            "plain": [90, 100, 100],
+            "in-tree k=2 zero": [70, 80, 80],
+            "ours-V2 k=2 zero": [60, 95, 80],
+            "in-tree k=2 field": [190, 200, 200],
+            "ours-V2 k=2 field": [240, 240, 240],
+        }
     )
-    (field,) = [row for row in targets if row.startswith("ours-V2 k=2 field")]
-    assert field.split()[-1] == "met"  # 1.20x in-tree, first pass 1.00 of steady
+    rows = _targets(results, tmp_path)
+    # Nothing accepted: no target over in-tree (95/80 and 80/80 would be 1.09x); first pass 60
+    # of a steady 87.5; a step costs 100/95 and 100/80 of plain's: median 1.15, 1.05 - 1.25.
+    assert rows["ours-V2 k=2 zero"] == "first 0.686, step 1.151 (1.053-1.250)"
+    assert rows["ours-V2 k=2 field"] == "met"  # 1.20x in-tree, first pass 1.00 of steady
+    # B=1 only: the run leaves out the other batch sizes the targets ask for.
+    assert rows["left out"].endswith("B = 8, 16, 32, 64")
+
+
+@pytest.mark.parametrize(
+    ("ours", "verdict"),
+    [
+        ([114, 114, 114], "0.991x"),  # 114/115 in each steady round
+        ([114.9, 114.9, 114.9], "1.149x"),  # not printed as the threshold it misses
+        ([112, 112, 112], "1.120x"),
+        ([115, 115, 115], "met"),
+        ([103.5, 115, 115], "met"),  # first pass 0.900 of steady
+        ([103.4, 115, 115], "first 0.899"),
+    ],
+)
+def test_targets_at_their_thresholds(tmp_path: Path, ours: list[float], verdict: str) -> None:
+    results = _engines({"in-tree k=3 field": [100, 115, 100], "ours-V2 k=3 field": ours})
+    if verdict == "0.991x":
+        results["in-tree k=3 field"]["runs"]["1"] = _runs([100, 115, 115], 2.0)
+    else:
+        results["in-tree k=3 field"]["runs"]["1"] = _runs([100, 100, 100], 2.0)
+    rows = _targets(results, tmp_path)
+    assert rows["ours-V2 k=3 field"] == verdict
+
+
+def test_paired_ratios_not_a_ratio_of_medians(tmp_path: Path) -> None:
+    # Steady medians 140 and 120 (1.167x), but round by round 100/100, 140/130, 150/120:
+    # median 1.077x.
+    results = _engines(
+        {"in-tree k=3 poor": [100, 100, 130, 120], "ours-V2 k=3 poor": [140, 100, 140, 150]}
+    )
+    assert _targets(results, tmp_path)["ours-V2 k=3 poor"] == "1.077x"
+
+
+def test_zero_row_spread_alone_misses(tmp_path: Path) -> None:
+    # Steps 100/99, 100/99, 100/95, 100/93: median 1.03 (within 1.08), but 0.065 apart.
+    results = _engines({"plain": [100] * 5, "ours-V2 k=2 zero": [99, 99, 99, 95, 93]})
+    for b in ("8", "32"):
+        results["plain"]["runs"][b] = results["plain"]["runs"]["1"]
+        results["ours-V2 k=2 zero"]["runs"][b] = results["ours-V2 k=2 zero"]["runs"]["1"]
+    rows = _targets(results, tmp_path)
+    assert rows["ours-V2 k=2 zero"] == " | ".join(["step 1.031 (1.010-1.075)"] * 3)
+    assert "left out" not in rows  # B = 1, 8, 32: all the zero row asks
+
+
+def test_zero_row_step_target_is_k2_at_its_batch_sizes(tmp_path: Path) -> None:
+    slow = [80, 80, 80]  # a step 1.25x plain's
+    results = _engines({"plain": [100] * 3, "ours-V2 k=3 zero": slow, "ours-V2 k=2 zero": slow})
+    for name in results:
+        results[name]["runs"]["16"] = results[name]["runs"]["1"]
+    rows = _targets(results, tmp_path)
+    assert rows["ours-V2 k=3 zero"] == "met | met"  # no step target at k=3
+    assert rows["ours-V2 k=2 zero"] == "step 1.250 (1.250-1.250) | met"  # none at B=16
+
+
+def test_targets_without_the_engines_to_compare_with(tmp_path: Path) -> None:
+    results = _engines({"ours-V2 k=2 zero": [60, 60, 60], "ours-V2 k=2 field": [60, 60, 60]})
+    rows = _targets(results, tmp_path, not_started={"ours-V1 k=2 field": ["error"]})
+    assert rows["ours-V2 k=2 zero"] == "no plain run"
+    assert rows["ours-V2 k=2 field"] == "no in-tree run"
+    assert rows["ours-V1 k=2 field"] == "did not start: no target measured"
+
+
+def test_own_core_engines_meet_the_targets_against_their_own_core_peers(tmp_path: Path) -> None:
+    results = _engines(
+        {
+            "plain": [100] * 3,
+            "plain own-core": [100] * 3,
+            "in-tree k=2 zero own-core": [50] * 3,
+            "ours-V2 k=2 zero own-core": [80, 80, 60],
+        }
+    )
+    rows = _targets(results, tmp_path, engine_core="both")
+    # Steady rounds: a step 100/80 and 100/60 of the own-core plain engine's.
+    assert rows["ours-V2 k=2 zero own-core"] == "step 1.458 (1.250-1.667)"
 
 
 def test_fastest_k_by_batch_size_as_a_schedule(tmp_path: Path) -> None:
@@ -778,4 +871,4 @@ def test_a_first_pass_is_shown_against_the_passes_right_after_it(tmp_path: Path)
     line = next(r for r in text.split("\nfirst pass, ms")[1].splitlines() if "B=16" in r)
     assert "next: 310.0 (first x next 1.03)" in line
     targets = text.split("\ntargets:")[1].splitlines()[1]
-    assert "first 0.49 (1.03 x next)" in targets
+    assert "first 0.488 (1.03 x next)" in targets  # 100 of a steady 205
