@@ -31,6 +31,9 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"Gemma 4 assistant: {assistant} (k={args.k} drafts per target step)")
     try:
         problems = gsm8k.load("test", limit=args.num_prompts, folder=args.gsm8k)
+        if not problems and args.num_prompts >= 1:
+            folder = gsm8k.gsm8k_dir(args.gsm8k)
+            raise ValueError(f"{folder / 'test.jsonl'} holds no GSM8k questions")
         config = ReportConfig(
             target=target,
             assistant=assistant,

@@ -64,11 +64,22 @@ def test_unknown_split() -> None:
         gsm8k.load("validation")
 
 
-def test_demo_reads_the_folder_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``gemma4-spec demo --gsm8k DIR`` reads DIR (here without data: an error before any
-    engine starts), not the shipped copy."""
+def test_demo_reads_the_folder_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``gemma4-spec demo --gsm8k DIR`` reads DIR, not the shipped copy: without data there, or
+    with an empty test split, one line and status 2 before any engine starts."""
+    from gemma4_spec import report
     from gemma4_spec.cli import main as cli_main
 
+    def no_engine(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an engine would start")
+
+    monkeypatch.setattr(report, "run_report", no_engine)
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")  # what the demo would set for itself
-    with pytest.raises(FileNotFoundError, match=f"GSM8k not found in {tmp_path}"):
-        cli_main(["demo", "--gsm8k", str(tmp_path)])
+    assert cli_main(["demo", "--gsm8k", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"GSM8k not found in {tmp_path}" in err and "--gsm8k" in err
+    (tmp_path / "test.jsonl").write_text("")
+    assert cli_main(["demo", "--gsm8k", str(tmp_path)]) == 2
+    assert "test.jsonl holds no GSM8k questions" in capsys.readouterr().err
