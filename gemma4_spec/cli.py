@@ -123,6 +123,12 @@ def _build_gsm8k_pair(args: argparse.Namespace) -> int:
         for name in ("target_steps", "distill_prompts", "assistant_steps", "centroid_steps")
         if getattr(args, name) is not None
     }
+    from gemma4_spec.data import gsm8k
+
+    try:  # the training data first, not minutes into the build
+        gsm8k.load("train", limit=1, folder=args.gsm8k)
+    except _INPUT_ERRORS as error:
+        return _refuse("build-gsm8k-pair", error)
     start = time.perf_counter()
     target, assistant = build_pair(
         args.out, gsm8k_folder=args.gsm8k, seed=args.seed, budget=Budget(**overrides)

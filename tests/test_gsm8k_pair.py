@@ -111,11 +111,16 @@ def test_builder_runs_end_to_end_and_is_deterministic(
             assert built == (shipped / name).read_bytes(), f"{shipped.name}/{name}"
 
 
-def test_builder_reports_missing_gsm8k(tmp_path: Path) -> None:
-    """An explicit folder without GSM8k is an error, not a fallback to the shipped copy."""
-    with pytest.raises(FileNotFoundError, match="GSM8k not found"):
-        cli_main(["build-gsm8k-pair", "--out", str(tmp_path / "pair"), "--gsm8k", str(tmp_path)])
-    assert not (tmp_path / "pair").exists()
+def test_builder_reports_missing_gsm8k(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An explicit folder without GSM8k (or without its train split) is an error, not a
+    fallback to the shipped copy: one line, status 2, nothing built."""
+    out = tmp_path / "pair"
+    assert cli_main(["build-gsm8k-pair", "--out", str(out), "--gsm8k", str(tmp_path)]) == 2
+    assert "GSM8k not found" in capsys.readouterr().err
+    (tmp_path / "test.jsonl").write_text("")
+    assert cli_main(["build-gsm8k-pair", "--out", str(out), "--gsm8k", str(tmp_path)]) == 2
+    assert "no train split" in capsys.readouterr().err
+    assert not out.exists()
 
 
 @pytest.mark.engine
