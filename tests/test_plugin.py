@@ -311,26 +311,34 @@ def _patched_config_module() -> ModuleType:
 
 
 @pytest.mark.parametrize(
-    ("method", "env", "default", "expected"),
+    ("method", "env", "default", "with_v2", "with_v1"),
     [
-        ("gemma4_mtp", None, True, True),  # DEFAULT_RUNNER "V2": vLLM's choice stands
-        ("gemma4_mtp", "0", True, False),
-        ("eagle", None, True, True),  # other methods keep vLLM's choice
-        (None, None, True, True),
-        (None, None, False, False),
-        ("gemma4_mtp", "1", False, True),  # an explicit choice stands: both are supported
-        ("gemma4_mtp", "0", False, False),
+        # DEFAULT_RUNNER "V2": vLLM's choice stands; "V1": gemma4_mtp moves off V2 unless told.
+        ("gemma4_mtp", None, True, True, False),
+        ("gemma4_mtp", "0", True, False, False),
+        ("gemma4_mtp", "1", True, True, True),  # an explicit choice stands: both are supported
+        ("eagle", None, True, True, True),  # other methods keep vLLM's choice
+        (None, None, True, True, True),
+        (None, None, False, False, False),
+        ("gemma4_mtp", "1", False, True, True),
+        ("gemma4_mtp", "0", False, False, False),
     ],
 )
+@pytest.mark.parametrize("default_runner", ["V2", "V1"])
 def test_gemma4_mtp_runner_choice(
     set_env: Callable[[str, str | None], None],
+    monkeypatch: pytest.MonkeyPatch,
+    default_runner: str,
     method: str | None,
     env: str | None,
     default: bool,
-    expected: bool,
+    with_v2: bool,
+    with_v1: bool,
 ) -> None:
     set_env("VLLM_USE_V2_MODEL_RUNNER", env)
+    monkeypatch.setattr(patch_vllm_config, "DEFAULT_RUNNER", default_runner)
     module = _patched_config_module()
+    expected = with_v2 if default_runner == "V2" else with_v1
     assert module.VllmConfig(method, default).use_v2_model_runner is expected
 
 

@@ -208,7 +208,8 @@ def test_kv_shared_target_pair(root: Path) -> None:
 
 
 def test_bad_target_layouts_are_rejected(root: Path) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="last Gemma 4 layer must be full attention"):
         build_tiny_target(root / "bad", layer_types=[SLIDING, FULL, SLIDING, SLIDING])
-    with pytest.raises(ValueError):  # shared layers would have no full-attention layer to read
+    # Shared layers would have no full-attention layer to read.
+    with pytest.raises(ValueError, match="must include a sliding and a full layer"):
         build_tiny_target(root / "bad", num_kv_shared_layers=1)
