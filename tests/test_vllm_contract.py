@@ -337,13 +337,16 @@ def _assistant_config_override() -> Iterator[str]:
 
 def _in_tree_architecture() -> Iterator[str]:
     """The architecture we register must be the one vLLM's registry maps to its own
-    gemma4_mtp model (we replace that entry)."""
-    from vllm.model_executor.models.registry import ModelRegistry
+    gemma4_mtp model (we replace that entry). Read from vLLM's static table of speculative
+    models, which our registration does not touch (the live registry has our name in it once
+    the plugin has loaded in this process, whatever vLLM's own table says)."""
+    from vllm.model_executor.models import registry
 
     from gemma4_spec.plugin import ASSISTANT_ARCHITECTURE
 
-    if ASSISTANT_ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        yield f"vLLM's registry has no {ASSISTANT_ARCHITECTURE}"
+    entry = registry._SPECULATIVE_DECODING_MODELS.get(ASSISTANT_ARCHITECTURE)
+    if entry is None or entry[0] != "gemma4_mtp":
+        yield f"vLLM maps {ASSISTANT_ARCHITECTURE} to {entry}, not its gemma4_mtp module"
 
 
 def _drafting_metadata_builder() -> Iterator[str]:
@@ -918,3 +921,74 @@ class _Holder:
 def test_instance_attributes_are_read_from_sources() -> None:
     assert "assigned" in attributes_of(_Holder)
     assert "never_assigned" not in attributes_of(_Holder)
+
+
+def test_overrides_flags_signatures_and_methods_declared_ours_alone() -> None:
+    here = f"{__name__}:"
+    (renamed,) = Overrides(f"{here}_Renamed", f"{here}_Base").problems()
+    assert renamed.startswith("step: ") and "'count' here, 'tokens' in vLLM" in renamed
+    assert Overrides(f"{here}_Good", f"{here}_Base", own=("step",)).problems() == [
+        f"step is declared ours alone, but {here}_Base has it"
+    ]
+
+
+class _MoreBase:
+    def step(self, tokens: int, graphs: bool = True, *, must: int) -> None: ...
+
+
+def test_params_flags_a_new_required_parameter() -> None:
+    path = f"{__name__}:_MoreBase.step"
+    assert Params(path, positional=("tokens", "graphs")).problems() == [
+        "new required parameter 'must'"
+    ]
+    assert Params(path, positional=("tokens",), keywords=("must",)).problems() == []
+
+
+class _Caller:
+    """Stands for vLLM code that drives a drafter and its draft model."""
+
+    def run(self) -> None:
+        self.drafter.step(1)  # type: ignore[attr-defined]
+        self.drafter.gone()  # type: ignore[attr-defined]
+        self.drafter.elsewhere()  # type: ignore[attr-defined]  # not a method of _Base: skipped
+        self.model.forward(x=1)  # type: ignore[attr-defined]
+        self.model.load_weights()  # type: ignore[attr-defined]
+
+
+class _Drafter(_Base):  # vLLM's class that ours stands in for
+    def __init__(self) -> None: ...
+
+
+class _StandIn:
+    def __init__(self) -> None: ...
+
+    def step(self, tokens: int, graphs: bool = True) -> None: ...
+
+
+class _RenamedStandIn(_StandIn):
+    def step(self, count: int, graphs: bool = True) -> None: ...  # type: ignore[override]
+
+
+class _Model:
+    def forward(self, x: int) -> None: ...
+
+
+def test_stands_in_flags_missing_and_changed_methods() -> None:
+    here = f"{__name__}:"
+    common = dict(theirs=f"{here}_Drafter", caller=f"{here}_Caller", receiver="self.drafter")
+    assert StandsIn(f"{here}_StandIn", **common).problems() == [
+        f"{here}_Caller calls self.drafter.gone, which ours lacks"
+    ]
+    renamed = StandsIn(f"{here}_RenamedStandIn", **common).problems()
+    assert any(p.startswith("step: ") and "'count' here" in p for p in renamed), renamed
+
+
+def test_model_calls_flags_missing_methods_and_keywords() -> None:
+    here = f"{__name__}:"
+    calls = dict(caller=f"{here}_Caller", receiver="self.model", model=f"{here}_Model")
+    assert ModelCalls(**calls, forward_keywords=("x",)).problems() == [
+        f"{here}_Caller calls self.model.load_weights, which _Model lacks"
+    ]
+    assert ModelCalls(
+        **calls, not_needed=("load_weights",), forward_keywords=("y",)
+    ).problems() == ["forward takes no 'y'"]
