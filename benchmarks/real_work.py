@@ -1213,16 +1213,23 @@ def _paired_ratios(
     return [x["tokens_per_s"] / y["tokens_per_s"] for x, y in pairs]
 
 
+def _name_parts(name: str) -> tuple[str, int | None, str]:
+    """An engine's name ``<variant> k=<k> <profile>`` (``own-core`` stays in the profile) as
+    its variant, k and profile; k None for plain."""
+    variant, _, rest = name.partition(" k=")
+    k, _, profile = rest.partition(" ")
+    return variant, int(k) if k.isdigit() else None, profile
+
+
 def _print_best_k(results: dict[str, Any], batches: list[str]) -> None:
     """Where one variant and profile ran at several k: the fastest k at each batch size, and
     the schedule vLLM's ``num_speculative_tokens_per_batch_size`` takes for it (a measured
     batch size's k holds up to the next one measured)."""
     by_run: dict[tuple[str, str], dict[int, str]] = {}
     for name in results:
-        variant, _, rest = name.partition(" k=")
-        k, _, profile = rest.partition(" ")
-        if k.isdigit():
-            by_run.setdefault((variant, profile), {})[int(k)] = name
+        variant, k, profile = _name_parts(name)
+        if k is not None:
+            by_run.setdefault((variant, profile), {})[k] = name
     several = {run: ks for run, ks in by_run.items() if len(ks) > 1}
     if not several:
         return
@@ -1258,10 +1265,9 @@ TARGET_BATCHES = ("1", "8", "16", "32", "64")
 ZERO_TARGET_K, ZERO_TARGET_BATCHES = 2, ("1", "8", "32")
 
 
-def _k_of(name: str) -> int | None:
-    """The k of an engine named ``<variant> k=<k> <profile>``."""
-    k = name.partition(" k=")[2].partition(" ")[0]
-    return int(k) if k.isdigit() else None
+def _zero_row(name: str) -> bool:
+    """Whether the engine verifies with nothing accepted (in either core mode)."""
+    return _name_parts(name.removesuffix(f" {OWN_CORE}"))[2] == ZERO
 
 
 def _target_misses(
@@ -1274,10 +1280,9 @@ def _target_misses(
     """What one of ours' cells misses of the targets that apply to it (three decimals, so a
     figure just under a threshold does not print as the threshold)."""
     runs = results[name]["runs"][b]
-    base = name.removesuffix(f" {OWN_CORE}")
-    zero = base.endswith(f" {ZERO}")
+    own_core = name.endswith(f" {OWN_CORE}")
     misses = []
-    if not zero:
+    if not _zero_row(name):
         other = paired.get(name)
         if other is None:
             misses.append("no in-tree run")  # the target over in-tree is not measured
@@ -1290,10 +1295,11 @@ def _target_misses(
         beside = _first_over_next(runs[0])
         nearby = f" ({beside:.2f} x next)" if beside is not None else ""
         misses.append(f"first {first:.3f}{nearby}")
-    if zero and _k_of(base) == ZERO_TARGET_K and b in ZERO_TARGET_BATCHES:
+    if _zero_row(name) and _name_parts(name)[1] == ZERO_TARGET_K and b in ZERO_TARGET_BATCHES:
         # An own-core engine against the own-core plain engine, as its in-tree pairing does.
-        own = results.get(f"plain {OWN_CORE}") if base != name else None
-        reference = own["runs"] if own is not None else (plain if base == name else None)
+        reference = plain
+        if own_core:
+            reference = results.get(f"plain {OWN_CORE}", {}).get("runs")
         if reference is None:
             misses.append("no plain run")
         else:
@@ -1332,8 +1338,7 @@ def _print_targets(
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
     for name in failed:
         print(f"{name:24}{'':8}  did not start: no target measured")
-    zero = all(n.removesuffix(f" {OWN_CORE}").endswith(f" {ZERO}") for n in ours)
-    asked = ZERO_TARGET_BATCHES if zero else TARGET_BATCHES
+    asked = ZERO_TARGET_BATCHES if all(map(_zero_row, ours)) else TARGET_BATCHES
     left_out = [b for b in asked if b not in batches]
     if ours and left_out:
         print(f"not measured in this run (the targets ask for them): B = {', '.join(left_out)}")
