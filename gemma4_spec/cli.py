@@ -31,17 +31,17 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"Gemma 4 assistant: {assistant} (k={args.k} drafts per target step)")
     try:
         problems = gsm8k.load("test", limit=args.num_prompts, folder=args.gsm8k)
-        if not problems and args.num_prompts >= 1:
-            folder = gsm8k.gsm8k_dir(args.gsm8k)
-            raise ValueError(f"{folder / 'test.jsonl'} holds no GSM8k questions")
         config = ReportConfig(
             target=target,
             assistant=assistant,
             k=args.k,
-            num_prompts=len(problems) if problems else args.num_prompts,
+            num_prompts=len(problems) or args.num_prompts,  # the count asked, if it is bad
             max_tokens=args.max_tokens,
         )
         check_config(config)
+        if not problems:
+            folder = gsm8k.gsm8k_dir(args.gsm8k)
+            raise ValueError(f"{folder / 'test.jsonl'} holds no GSM8k questions")
     except _INPUT_ERRORS as error:
         return _refuse("demo", error)
     report = run_report(config, questions=[p.question for p in problems])
