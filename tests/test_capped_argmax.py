@@ -1,9 +1,9 @@
 """``ops/capped_argmax``: the argmax of soft-capped logits from one read of the raw ones.
 
-The reference is vLLM's soft-cap (``x / cap``, ``tanh``, ``* cap`` in the logits' dtype) and
-``argmax``. The kernel is held to it on CUDA (every 16-bit value capped bit for bit, then whole
-rows with ties planted across splits) and, for its splits and ties, under Triton's CPU
-interpreter, whose ``tanh`` is not CUDA's: there the exactness check must find it inexact and
+The reference is vLLM's soft-cap (``x / cap``, ``tanh``, ``* cap`` in the logits' dtype) with
+``-inf`` (a suppressed token) kept, and ``argmax``. The kernel is held to it on CUDA (every
+16-bit value capped bit for bit, then whole rows with ties planted across splits) and, for its
+splits and ties, under Triton's CPU interpreter, whose ``tanh`` is not CUDA's: there the exactness check must find it inexact and
 ``capped_argmax`` must run the reference."""
 
 from __future__ import annotations
@@ -33,6 +33,24 @@ def test_the_cap_decides_ties_the_raw_logits_do_not_have() -> None:
     assert ca.capped_argmax(logits, CAP).tolist() == [2]  # whichever path runs here
 
 
+def test_suppressed_tokens_lose_as_in_vllms_order() -> None:
+    # vLLM's multimodal Gemma 4 caps the logits, then sets the suppressed tokens to -inf. Here
+    # they are -inf before the cap: where every other logit saturates at -cap, a suppressed
+    # token capped to -cap would tie and win by its smaller id.
+    raw = torch.full((2, 8), -200.0, dtype=torch.bfloat16)
+    raw[1, 5] = 3.0
+    suppressed = [0, 1, 5]
+    vllms = ca.soft_cap_reference(raw, CAP)
+    vllms[:, suppressed] = float("-inf")
+    ours = raw.clone()
+    ours[:, suppressed] = float("-inf")
+    assert vllms.argmax(dim=-1).tolist() == [2, 2]
+    assert ca.capped_argmax_reference(ours, CAP).tolist() == [2, 2]
+    assert ca.capped_argmax(ours, CAP).tolist() == [2, 2]  # whichever path runs here
+    # The control: capping the -inf values too (vLLM's cap alone) picks a suppressed token.
+    assert ca.soft_cap_reference(ours, CAP).argmax(dim=-1).tolist() == [0, 0]
+
+
 def test_reference_without_a_cap_is_argmax() -> None:
     logits = torch.randn(4, 100)
     assert torch.equal(ca.capped_argmax_reference(logits, None), logits.argmax(dim=-1))
@@ -59,15 +77,18 @@ def test_exactness_check_fails_when_one_value_is_capped_otherwise(
     import gemma4_spec.ops.capped_argmax_triton as kernels
 
     def capped_with_one_off(values: torch.Tensor, cap: float) -> torch.Tensor:
-        out = ca.soft_cap_reference(values, cap).clone()
+        out = ca.capped_values_reference(values, cap).clone()
         out.view(torch.int16)[len(out) // 2] += 1  # the next bfloat16 value
         return out
 
     def capped_right(values: torch.Tensor, cap: float) -> torch.Tensor:
-        return ca.soft_cap_reference(values, cap)
+        return ca.capped_values_reference(values, cap)
 
     monkeypatch.setattr(ca, "_EXACT", {})
     monkeypatch.setattr(kernels, "soft_cap_values", capped_with_one_off)
+    assert not ca.cap_is_exact(torch.bfloat16, torch.device("cpu"), CAP)
+    monkeypatch.setattr(ca, "_EXACT", {})
+    monkeypatch.setattr(kernels, "soft_cap_values", ca.soft_cap_reference)  # caps -inf to -cap
     assert not ca.cap_is_exact(torch.bfloat16, torch.device("cpu"), CAP)
     monkeypatch.setattr(ca, "_EXACT", {})
     monkeypatch.setattr(kernels, "soft_cap_values", capped_right)
@@ -88,7 +109,7 @@ def test_splits_cover_the_row_once(rows: int, vocab: int) -> None:
 def _planted(rows: int, vocab: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
     """Random rows with ties planted: a row's maximum repeated across splits, a row whose
     values all saturate the cap, a row of -inf but one value, a row all -inf, a row rising
-    far above the cap."""
+    far above the cap, a row saturating at -cap after suppressed (-inf) tokens."""
     gen = torch.Generator().manual_seed(seed)
     logits = (torch.randn(rows, vocab, generator=gen) * 20).to(dtype)
     if rows >= 4 and vocab >= 8:
@@ -103,6 +124,9 @@ def _planted(rows: int, vocab: int, dtype: torch.dtype, device: str, seed: int) 
         # Rising along the row, every value far above the cap: each later tile raises the raw
         # maximum, none the capped one (30.0 in bfloat16 and float16): argmax 0.
         logits[4] = torch.linspace(400.0, 4000.0, vocab).to(dtype)
+    if rows >= 6 and vocab >= 8:
+        logits[5] = -200.0  # capped: -30.0 in bfloat16 and float16, all equal in float32
+        logits[5, :3] = float("-inf")  # suppressed: the argmax is 3, not 0
     return logits.to(device)
 
 
@@ -119,6 +143,8 @@ def _check_kernel(device: str) -> None:
             capped = soft_cap_values(logits.reshape(-1), CAP).reshape(logits.shape)
             got = capped_argmax_kernel(logits, CAP)
             assert torch.equal(got, capped.argmax(dim=-1)), (dtype, rows, vocab)
+            if rows >= 6:  # the suppressed tokens before the saturated ones lose
+                assert int(got[5]) == 3, (dtype, rows, vocab)
             # Rows of a wider buffer (a row stride above the vocabulary).
             wide = torch.zeros(rows, vocab + 64, dtype=dtype, device=device)
             wide[:, :vocab] = logits

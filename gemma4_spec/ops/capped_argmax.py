@@ -10,8 +10,13 @@ id, as ``torch.argmax`` does. The cap is not skipped: it is increasing, but its 
 close logits equal (both saturate at ``cap`` in bfloat16, for one), and then the smaller id is
 the greedy token, where the raw logits would pick the larger logit.
 
-``capped_argmax_reference`` is the definition: vLLM's three operations in torch, then
-``argmax``. The kernel holds to it only if its ``tanh`` rounds as torch's does on this device,
+A logit of ``-inf`` stays ``-inf``: it is a token the target suppresses (vLLM's multimodal Gemma
+4 sets the checkpoint's ``suppress_tokens`` to ``-inf`` after the cap, and the verification
+here applies them to the logits before the cap), never a value of the lm_head, so it must lose
+to every capped logit, as it does in vLLM's order, not tie at ``-cap`` with the saturated ones.
+
+``capped_argmax_reference`` is the definition: vLLM's three operations in torch, ``-inf`` kept,
+then ``argmax``. The kernel holds to it only if its ``tanh`` rounds as torch's does on this device,
 so ``cap_is_exact`` checks that once per (device, dtype): every bfloat16 and float16 value, and
 a spread of float32 ones, capped both ways, bit for bit. Where the check fails, or Triton cannot
 run, ``capped_argmax`` runs the reference. Not defined here: NaN logits, and rows whose largest
@@ -41,9 +46,17 @@ def soft_cap_reference(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return torch.tanh(logits / cap) * cap
 
 
+def capped_values_reference(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``soft_cap_reference`` of every value but ``-inf`` (a suppressed token), which stays
+    ``-inf``: the values ``capped_argmax`` takes the argmax of (module docstring)."""
+    if cap is None:
+        return logits
+    return torch.where(logits == float("-inf"), logits, soft_cap_reference(logits, cap))
+
+
 def capped_argmax_reference(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """``[rows]`` int64: ``argmax`` of ``soft_cap_reference(logits, cap)`` (plain torch)."""
-    return soft_cap_reference(logits, cap).argmax(dim=-1)
+    """``[rows]`` int64: ``argmax`` of ``capped_values_reference(logits, cap)`` (plain torch)."""
+    return capped_values_reference(logits, cap).argmax(dim=-1)
 
 
 def check_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -74,7 +87,7 @@ def cap_is_exact(dtype: torch.dtype, device: torch.device, cap: float) -> bool:
     if key not in _EXACT:
         values = check_values(dtype, device)
         ours = soft_cap_values(values, cap)
-        torchs = soft_cap_reference(values, cap)
+        torchs = capped_values_reference(values, cap)
         _EXACT[key] = bool(torch.equal(ours.view(-1), torchs.view(-1)))
     return _EXACT[key]
 

@@ -42,10 +42,12 @@ if HAS_TRITON:
 
     @triton.jit
     def _soft_cap(x, inv_cap, cap, HAS_CAP: tl.constexpr, LIBDEVICE: tl.constexpr):
-        """``x`` capped as vLLM's three torch operations cap it, as float32. ``tanh`` is CUDA's
-        (libdevice), as torch's is; Triton's CPU interpreter has no libdevice, and gets a
-        formula that ``cap_is_exact`` then finds inexact."""
-        y = x.to(tl.float32)
+        """``x`` capped as vLLM's three torch operations cap it, as float32, ``-inf`` (a
+        suppressed token) kept. ``tanh`` is CUDA's (libdevice), as torch's is; Triton's CPU
+        interpreter has no libdevice, and gets a formula that ``cap_is_exact`` then finds
+        inexact."""
+        raw = x.to(tl.float32)
+        y = raw
         if HAS_CAP:
             dtype = x.dtype
             y = (y * inv_cap).to(dtype).to(tl.float32)
@@ -55,6 +57,7 @@ if HAS_TRITON:
                 y = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
             y = y.to(dtype).to(tl.float32)
             y = (y * cap).to(dtype).to(tl.float32)
+            y = tl.where(raw == float("-inf"), raw, y)
         return y
 
     @triton.jit
