@@ -2,7 +2,9 @@
 the greedy path verifies gets its tokens from the logits computed without the soft-cap and the
 capped argmax of ``ops/capped_argmax`` (vLLM's own ``LogitsProcessor.forward`` computes the
 logits, with its cap turned off for the call and back on after); every other batch runs vLLM's
-method. The GPU engine test runs the path in an engine (``greedy_verify_uncapped``)."""
+method. A multimodal target's suppressed tokens are set to ``-inf`` from a device tensor, its
+language model computing the logits. The GPU engine test runs the path in an engine
+(``greedy_verify_uncapped``)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,27 @@ class _Target(torch.nn.Module):
         return self.logits_processor(self.lm_head, hidden)
 
 
+class _MultimodalTarget(torch.nn.Module):
+    """vLLM 0.26's ``Gemma4ForConditionalGeneration`` as the verification sees it: its language
+    model's logits, then the generation config's ``suppress_tokens`` set to ``-inf`` by
+    indexing with the list (which a CUDA graph capture refuses)."""
+
+    def __init__(self, suppressed: list[int]) -> None:
+        super().__init__()
+        self.language_model = _Target(CAP)
+        self._suppress_token_ids = suppressed
+        self.calls = 0
+
+    def get_language_model(self) -> torch.nn.Module:
+        return self.language_model
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        logits = self.language_model.compute_logits(hidden)
+        logits[:, self._suppress_token_ids] = float("-inf")
+        return logits
+
+
 class _RejectionSampler:
     def __init__(self) -> None:
         setattr(self, GREEDY_VERIFY_ATTR, GreedyVerifyStats())
@@ -72,6 +95,7 @@ def _runner_module() -> ModuleType:
     class GPUModelRunner:
         def __init__(self, model: torch.nn.Module) -> None:
             self.model = model
+            self.device = torch.device("cpu")
             self.rejection_sampler = _RejectionSampler()
             self.speculator = SimpleNamespace(draft_logits=None)
 
@@ -117,6 +141,34 @@ def test_greedy_batch_is_verified_from_uncapped_logits(wrapped: ModuleType) -> N
     assert target.seen_caps == [None] and target.logits_processor.soft_cap == CAP  # restored
     stats = getattr(runner.rejection_sampler, GREEDY_VERIFY_ATTR)
     assert stats.uncapped == 1
+
+
+def test_a_multimodal_targets_suppressed_tokens_are_never_verified(wrapped: ModuleType) -> None:
+    hidden, batch = _batch()
+    rows = hidden[batch.logits_indices]
+    with torch.no_grad():
+        free = _Target(CAP).compute_logits(rows).argmax(dim=-1)  # the same weights, no suppression
+    suppressed = sorted(set(free.tolist()))[:2]
+    target = _MultimodalTarget(suppressed)
+    runner = wrapped.GPUModelRunner(target)  # type: ignore[attr-defined]
+    runner.sample(hidden, batch, None)
+    (best,) = runner.rejection_sampler.handed
+    assert target.calls == 0  # the language model computed the logits, not the list indexing
+    with torch.no_grad():
+        vllms = target.compute_logits(rows).argmax(dim=-1)  # capped, then suppressed
+    assert torch.equal(best, vllms)
+    assert not torch.equal(vllms, free) and not set(best.tolist()) & set(suppressed)
+    source = patch.logits_source(runner)
+    assert source.model is target.language_model and source.suppressed.tolist() == suppressed
+    # Ours without the cap (the kernel caps), then the reference's above with it.
+    assert target.language_model.seen_caps == [None, CAP]
+
+
+def test_a_target_without_suppressed_tokens_computes_its_own_logits() -> None:
+    target = _Target(CAP)
+    assert patch.find_logits_source(target, torch.device("cpu")) == patch.LogitsSource(target, None)
+    listless = _MultimodalTarget([])  # a checkpoint without suppress_tokens
+    assert patch.find_logits_source(listless, torch.device("cpu")).model is listless
 
 
 @pytest.mark.parametrize(

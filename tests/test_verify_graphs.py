@@ -213,12 +213,17 @@ def _serving_runner(**changes: Any) -> Any:
     parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1)
     runner = _runner_module().GPUModelRunner(None, None)
     runner.device = torch.device("cuda")
-    runner.vllm_config = SimpleNamespace(parallel_config=parallel)
+    from vllm.config.compilation import CUDAGraphMode
+
+    compilation = SimpleNamespace(cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    runner.vllm_config = SimpleNamespace(parallel_config=parallel, compilation_config=compilation)
     runner.pcp_manager = None
     runner.lora_config = None
     for name, value in changes.items():
         if name in ("tensor_parallel_size", "pipeline_parallel_size"):
             setattr(parallel, name, value)
+        elif name == "cudagraph_mode":
+            compilation.cudagraph_mode = getattr(CUDAGraphMode, value)
         else:
             setattr(runner, name, value)
     return runner
@@ -235,6 +240,8 @@ def _serving_runner(**changes: Any) -> Any:
         ({"lora_config": object()}, False),
         ({"speculator": SimpleNamespace(draft_logits=torch.zeros(1))}, False),
         ({"speculator": None}, False),
+        ({"cudagraph_mode": "NONE"}, False),  # enforce_eager: no graphs of ours either
+        ({"cudagraph_mode": "PIECEWISE"}, True),
     ],
 )
 def test_graphs_serve_one_cuda_device_with_greedy_drafts(changes: dict, serves: bool) -> None:
@@ -322,6 +329,7 @@ def test_start_up_captures_the_graphs_the_switches_ask_for(
 
     monkeypatch.setattr(patch, "build_verify_graphs", build)
     runner = SimpleNamespace(
+        model=SimpleNamespace(),
         model_config=SimpleNamespace(get_vocab_size=lambda: 8),
         dtype=torch.float32,
         device=torch.device("cpu"),
@@ -329,6 +337,9 @@ def test_start_up_captures_the_graphs_the_switches_ask_for(
     head = patch.CappedHead(SimpleNamespace(), 30.0)
     setattr(runner, patch.CAPPED_HEAD_ATTR, head)
     patch.prepare(runner)
+    # Where the logits come from is settled at start-up too (a suppressing target's ids are
+    # copied to the device there, outside any capture).
+    assert getattr(runner, patch.LOGITS_SOURCE_ATTR) == patch.LogitsSource(runner.model, None)
     graphs = getattr(runner, patch.VERIFY_GRAPHS_ATTR, None)
     if built is None:
         assert heads == [] and graphs is None
@@ -351,7 +362,9 @@ def test_a_failed_capture_leaves_the_engine_on_the_eager_path(
     monkeypatch.setattr(
         patch, "build_verify_graphs", lambda r, h: SimpleNamespace(capture=failing_capture)
     )
-    runner = SimpleNamespace(dtype=torch.float32, device=torch.device("cpu"))
+    runner = SimpleNamespace(
+        model=SimpleNamespace(), dtype=torch.float32, device=torch.device("cpu")
+    )
     setattr(runner, patch.CAPPED_HEAD_ATTR, None)
     with caplog.at_level(logging.WARNING):
         patch.prepare(runner)

@@ -15,6 +15,15 @@ The target's ``LogitsProcessor`` is found once per runner (the one module of tha
 target, with a soft-cap, no scale and no logits as input); the cap is set to ``None`` for the one
 call and restored. ``GEMMA4_SPEC_UNCAPPED_VERIFY=0`` keeps vLLM's capped logits.
 
+vLLM's multimodal Gemma 4 (``Gemma4ForConditionalGeneration``, the class of the published
+checkpoints) computes its language model's logits and then sets the checkpoint's
+``suppress_tokens`` (its generation config's; ``<image|>`` and ``<audio|>`` in Gemma 4's) to
+``-inf``; vLLM 0.26 does it by indexing with a Python list, a host-to-device copy at each call,
+which a CUDA graph capture refuses. For such a target the verification computes the language
+model's logits and sets the same tokens to ``-inf`` from a device tensor made once
+(``LogitsSource``): the same logits, eager or replayed (``capped_argmax`` keeps ``-inf`` below
+every capped value, as vLLM's cap-then-suppress order does).
+
 A decode batch (every request with its k drafts) replays this verification from a graph
 captured at start-up by ``prepare`` (``spec_decode/verify_graphs.py``): the same kernels
 without their host launches; ``GEMMA4_SPEC_GRAPHED_VERIFY=0`` runs them eagerly.
@@ -51,6 +60,7 @@ logger = get_logger(__name__)
 V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 UNCAPPED_VERIFY_ENV = "GEMMA4_SPEC_UNCAPPED_VERIFY"
 CAPPED_HEAD_ATTR = "gemma4_spec_capped_head"
+LOGITS_SOURCE_ATTR = "gemma4_spec_logits_source"
 VERIFY_GRAPHS_ATTR = "gemma4_spec_verify_graphs"
 
 
@@ -82,6 +92,45 @@ def capped_head(runner: Any) -> CappedHead | None:
     if not hasattr(runner, CAPPED_HEAD_ATTR):
         setattr(runner, CAPPED_HEAD_ATTR, find_capped_head(runner.model))
     return getattr(runner, CAPPED_HEAD_ATTR)
+
+
+@dataclass(frozen=True)
+class LogitsSource:
+    """How the verification computes the target's logits: ``model.compute_logits``, then the
+    ``suppressed`` token ids (int64, on the runner's device; ``None``: none) set to ``-inf``."""
+
+    model: Any
+    suppressed: Any
+
+
+def find_logits_source(model: Any, device: Any) -> LogitsSource:
+    """For a target that suppresses tokens after its language model's logits (vLLM's multimodal
+    Gemma 4: ``_suppress_token_ids``, the list its ``compute_logits`` indexes with), the language
+    model and those ids on ``device``; for any other target, the target and no ids."""
+    import torch
+
+    ids = getattr(model, "_suppress_token_ids", None)
+    language_model = getattr(model, "get_language_model", None)
+    if not ids or not callable(language_model):
+        return LogitsSource(model, None)
+    return LogitsSource(language_model(), torch.tensor(list(ids), dtype=torch.int64, device=device))
+
+
+def logits_source(runner: Any) -> LogitsSource:
+    """``find_logits_source`` of the runner's target, looked up once (at start-up, by
+    ``prepare``: the ids' copy to the device is not graph-safe)."""
+    if not hasattr(runner, LOGITS_SOURCE_ATTR):
+        setattr(runner, LOGITS_SOURCE_ATTR, find_logits_source(runner.model, runner.device))
+    return getattr(runner, LOGITS_SOURCE_ATTR)
+
+
+def target_logits(source: LogitsSource, rows: Any) -> Any:
+    """The target's logits of ``rows`` as vLLM's ``compute_logits`` gives them (the cap as the
+    processor is set), suppressed tokens at ``-inf``."""
+    logits = source.model.compute_logits(rows)
+    if source.suppressed is not None:
+        logits.index_fill_(1, source.suppressed, float("-inf"))
+    return logits
 
 
 @contextlib.contextmanager
@@ -119,13 +168,14 @@ def greedy_batch(runner: Any, input_batch: Any, grammar_output: Any) -> bool:
 def greedy_tokens(runner: Any, head: CappedHead | None, rows: Any) -> Any:
     """``[rows]`` int64: each hidden row's greedy token under the target's capped logits, the
     logits computed without the cap and ``ops/capped_argmax`` taking the capped argmax where
-    ``head`` is given, vLLM's logits and their argmax otherwise."""
+    ``head`` is given, vLLM's logits and their argmax otherwise (``target_logits`` both)."""
+    source = logits_source(runner)
     if head is None:
-        return runner.model.compute_logits(rows).argmax(dim=-1)
+        return target_logits(source, rows).argmax(dim=-1)
     from gemma4_spec.ops.capped_argmax import capped_argmax
 
     with uncapped(head):
-        logits = runner.model.compute_logits(rows)
+        logits = target_logits(source, rows)
     return capped_argmax(logits, head.cap)
 
 
@@ -139,6 +189,7 @@ def prepare(runner: Any) -> None:
 
     if not v2_greedy_verify_supported():
         return
+    logits_source(runner)
     head = capped_head(runner) if not turned_off(UNCAPPED_VERIFY_ENV) else None
     if head is not None:
         vocab = runner.model_config.get_vocab_size()
@@ -163,10 +214,15 @@ def prepare(runner: Any) -> None:
 def graphs_serve(runner: Any) -> bool:
     """Whether verification graphs can serve the runner: our greedy path, greedy drafts, one
     CUDA device (no tensor, pipeline or context parallelism), no LoRA (whose per-step adapter
-    state a graph would bake in)."""
+    state a graph would bake in), and CUDA graphs wanted (not ``enforce_eager`` or
+    ``cudagraph_mode`` NONE, which ask for none)."""
+    from vllm.config.compilation import CUDAGraphMode
+
     parallel = runner.vllm_config.parallel_config
+    graphs = runner.vllm_config.compilation_config.cudagraph_mode
     return (
         runner.device.type == "cuda"
+        and graphs != CUDAGraphMode.NONE
         and getattr(runner, "lora_config", None) is None
         and has_greedy_path(runner)
         and runner.speculator.draft_logits is None
