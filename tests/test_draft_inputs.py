@@ -3,6 +3,8 @@ fallback, and the Triton kernel on CUDA or under Triton's interpreter) against t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -182,7 +184,7 @@ def test_runner_v2_reference_hand_worked_step() -> None:
         idx_mapping=_i32(2, 0, 1),
         num_sampled=_i32(1, 3, 0),
         rejected=_i32(2, 0, 0),
-        last_sampled=torch.tensor([500, 501, 502]),
+        last_sampled=torch.tensor([[500], [501], [502]]),  # vLLM's [states, 1]
         next_prefill_tokens=_i32(600, 601, 602),
     )
     got, starts = stage_runner_v2_inputs_reference(step, batch_size=3, size=4)
@@ -212,7 +214,7 @@ def _random_v2_step(
         idx_mapping=torch.randperm(states, generator=gen)[:batch_size].to(torch.int32),
         num_sampled=num_sampled,
         rejected=torch.where(num_sampled > 0, ints(0, q_len, batch_size), 0),
-        last_sampled=torch.randint(0, 262144, (states,), generator=gen),
+        last_sampled=torch.randint(0, 262144, (states, 1), generator=gen),  # vLLM's shape
         next_prefill_tokens=ints(0, 262144, states),
     )
     out = DraftStepBuffers(  # stale contents from an earlier step
@@ -258,6 +260,9 @@ def test_runner_v2_staging_rejects_bad_buffers() -> None:
     step, out, starts = _random_v2_step(2, 4, 3, "cpu")
     with pytest.raises(ValueError, match="query_start_loc holds"):
         stage_runner_v2_inputs(step, out, starts[:4], 2, 4)
+    wide = dataclasses.replace(step, last_sampled=step.last_sampled.expand(-1, 2))
+    with pytest.raises(ValueError, match="one token per request state"):
+        stage_runner_v2_inputs(wide, out, starts, 2, 4)
     with_tables = DraftStepBuffers(
         out.input_ids, out.positions, out.hidden, out.seq_lens, (torch.zeros(64, 8),)
     )

@@ -101,7 +101,7 @@ def _verified_batch() -> tuple[Any, dict[str, torch.Tensor]]:
         "last_hidden_states": torch.randn(11, H, generator=gen),
         "num_sampled": torch.tensor([1, 4, 0], dtype=torch.int32),
         "num_rejected": torch.tensor([2, 0, 0], dtype=torch.int32),
-        "last_sampled": torch.arange(100, 116),
+        "last_sampled": torch.arange(100, 116).view(16, 1),  # vLLM's [states, 1]
         "next_prefill_tokens": torch.arange(200, 216, dtype=torch.int32),
     }
     return batch, inputs

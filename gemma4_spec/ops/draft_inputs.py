@@ -85,7 +85,7 @@ class RunnerV2Step:
     idx_mapping: torch.Tensor  # [>= B]: batch row -> request-state row
     num_sampled: torch.Tensor  # [>= B]: 0 for a prompt chunk that samples nothing
     rejected: torch.Tensor  # [>= B]
-    last_sampled: torch.Tensor  # [R]: per request state, its last sampled token
+    last_sampled: torch.Tensor  # [R, 1] (vLLM's) or [R]: per request state, its last sampled token
     next_prefill_tokens: torch.Tensor  # [R]: per request state, its next prompt token
 
 
@@ -98,7 +98,7 @@ def draft_sources_of(step: RunnerV2Step, batch_size: int) -> DraftStepSources:
     state = step.idx_mapping[:b].long()
     next_ids = torch.where(
         step.num_sampled[:b] > 0,
-        step.last_sampled[state].to(torch.int32),
+        step.last_sampled.reshape(-1)[state].to(torch.int32),
         step.next_prefill_tokens[state].to(torch.int32),
     )
     return DraftStepSources(
@@ -195,6 +195,8 @@ def stage_runner_v2_inputs(
         raise ValueError("Model Runner V2 keeps its block tables: stage none")
     if query_start_loc.shape[0] < size + 1:
         raise ValueError(f"query_start_loc holds {query_start_loc.shape[0]} of {size + 1} entries")
+    if step.last_sampled.stride(0) != 1 or step.last_sampled[0].numel() != 1:
+        raise ValueError("last_sampled needs one token per request state, states adjacent")
     # The kernel's V2 mode reads two fields differently (its docstring says how): the rows and
     # tokens are derived in the kernel from the step's query_start_loc and per-state tokens.
     sources = DraftStepSources(
