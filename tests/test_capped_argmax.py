@@ -3,8 +3,8 @@
 The reference is vLLM's soft-cap (``x / cap``, ``tanh``, ``* cap`` in the logits' dtype) with
 ``-inf`` (a suppressed token) kept, and ``argmax``. The kernel is held to it on CUDA (every
 16-bit value capped bit for bit, then whole rows with ties planted across splits) and, for its
-splits and ties, under Triton's CPU interpreter, whose ``tanh`` is not CUDA's: there the exactness check must find it inexact and
-``capped_argmax`` must run the reference."""
+splits and ties, under Triton's CPU interpreter, whose ``tanh`` is not CUDA's: there the
+exactness check must find it inexact and ``capped_argmax`` must run the reference."""
 
 from __future__ import annotations
 
