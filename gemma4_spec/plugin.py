@@ -18,6 +18,7 @@ from gemma4_spec.patch import (
     patch_gpu_model_runner,
     patch_input_processor,
     patch_rejection_sampler,
+    patch_request_params,
     patch_top_k_only,
     patch_triton_attn,
     patch_v2_rejection_sampler,
@@ -65,6 +66,7 @@ def register() -> None:
     when_imported(patch_cpu_generators.RUNNER_MODULE, patch_cpu_generators.apply)
     when_imported(patch_v2_warmup.WORKER_MODULE, patch_v2_warmup.apply)
     when_imported(patch_input_processor.INPUT_PROCESSOR_MODULE, patch_input_processor.apply)
+    when_imported(patch_input_processor.INPUT_PROCESSOR_MODULE, patch_request_params.apply)
     when_imported(patch_v2_speculator.SPECULATOR_MODULE, patch_v2_speculator.apply)
     when_imported(
         patch_v2_rejection_sampler.V2_REJECTION_SAMPLER_MODULE, patch_v2_rejection_sampler.apply

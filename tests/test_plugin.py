@@ -34,6 +34,7 @@ from gemma4_spec.patch import (
     patch_gpu_model_runner,
     patch_input_processor,
     patch_rejection_sampler,
+    patch_request_params,
     patch_top_k_only,
     patch_triton_attn,
     patch_v2_rejection_sampler,
@@ -116,6 +117,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_cpu_generators.RUNNER_MODULE,
         patch_v2_warmup.WORKER_MODULE,
         patch_input_processor.INPUT_PROCESSOR_MODULE,
+        patch_input_processor.INPUT_PROCESSOR_MODULE,
         patch_v2_speculator.SPECULATOR_MODULE,
         patch_v2_rejection_sampler.V2_REJECTION_SAMPLER_MODULE,
         patch_v2_sample.V2_RUNNER_MODULE,
@@ -132,6 +134,7 @@ def test_register_is_idempotent(fresh_plugin: dict[str, list[Any]]) -> None:
         patch_cpu_generators.apply,
         patch_v2_warmup.apply,
         patch_input_processor.apply,
+        patch_request_params.apply,
         patch_v2_speculator.apply,
         patch_v2_rejection_sampler.apply,
         patch_v2_sample.apply,
@@ -559,6 +562,66 @@ def test_v2_draft_loop_is_gated_to_the_vllm_it_was_read_in() -> None:
     assert v2_draft_loop_supported(Version("0.26.0"))
     assert not v2_draft_loop_supported(Version("0.32.0"))
     assert not v2_draft_loop_supported(Version("0.33.0"))
+
+
+# --- request parameters refused before they run (patch_request_params) -------------------------
+
+
+def _checking_processor_module() -> ModuleType:
+    """A module with an InputProcessor whose check refuses what vLLM's does (``logit_bias``
+    with speculative decoding), patched twice."""
+
+    class InputProcessor:
+        def __init__(self, vllm_config: Any) -> None:
+            self.vllm_config = vllm_config
+            self.checked: list[Any] = []
+
+        def _validate_params(self, params: Any, supported_tasks: Any) -> None:
+            self.checked.append(params)
+            if params.logit_bias:
+                raise ValueError("logit_bias is not yet supported with speculative decoding")
+
+    module = ModuleType("fake_vllm_input_processor")
+    module.InputProcessor = InputProcessor  # type: ignore[attr-defined]
+    patch_request_params.apply(module)
+    once = InputProcessor._validate_params
+    patch_request_params.apply(module)  # idempotent
+    assert InputProcessor._validate_params is once
+    return module
+
+
+@pytest.mark.parametrize(
+    ("method", "v2", "ids", "refused"),
+    [
+        ("gemma4_mtp", False, [5, 17], True),  # the V1 runner: vLLM's sampler gets it wrong
+        ("gemma4_mtp", False, None, False),
+        ("gemma4_mtp", True, [5, 17], False),  # Model Runner V2: its own logprobs code
+        ("eagle", False, [5, 17], False),  # other engines as vLLM has them
+        (None, False, [5, 17], False),
+    ],
+)
+def test_logprob_token_ids_are_refused_on_v1_gemma4_mtp_engines(
+    method: str | None, v2: bool, ids: list[int] | None, refused: bool
+) -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        speculative_config=None if method is None else _FakeSpec(method),
+        use_v2_model_runner=v2,
+    )
+    processor = _checking_processor_module().InputProcessor(config)  # type: ignore[attr-defined]
+    params = SimpleNamespace(logprob_token_ids=ids, logit_bias=None)
+    error = type(patch_request_params.validation_error("", "x"))  # vLLM's class for a 400
+    if refused:
+        with pytest.raises(error, match="logprob_token_ids is not supported") as info:
+            processor._validate_params(params, ("generate",))
+        assert getattr(info.value, "parameter", None) == "logprob_token_ids"
+    else:
+        processor._validate_params(params, ("generate",))
+    assert processor.checked == [params]  # vLLM's own check ran first, either way
+    biased = SimpleNamespace(logprob_token_ids=ids, logit_bias={1: 1.0})
+    with pytest.raises(ValueError, match="logit_bias"):  # vLLM's refusal stands
+        processor._validate_params(biased, ("generate",))
 
 
 # --- the logits-processor plugins loaded when the front end starts (patch_input_processor) ------

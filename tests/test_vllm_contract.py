@@ -789,6 +789,12 @@ CONTRACTS: tuple[Contract, ...] = (
     Attributes("vllm.config:CompilationConfig", ("max_cudagraph_capture_size",)),
     # patch/patch_input_processor.py: the constructor we wrap, and the cache it fills.
     Params("vllm.v1.engine.input_processor:InputProcessor.__init__", positional=("vllm_config",)),
+    # patch/patch_request_params.py: the request check we wrap, and the engine config it reads.
+    Params(
+        "vllm.v1.engine.input_processor:InputProcessor._validate_params",
+        positional=("params", "supported_tasks"),
+    ),
+    Attributes("vllm.v1.engine.input_processor:InputProcessor", ("vllm_config",)),
     Check("logits-processor cache the front end fills", _logitsprocs_cache_we_fill),
     # patch/patch_vllm_config.py: the property we wrap and the variable it reads.
     Exists("vllm.config.vllm:VllmConfig.use_v2_model_runner", "property"),
