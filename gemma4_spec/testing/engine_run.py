@@ -89,7 +89,9 @@ class RunConfig:
     # Further ``vllm.LLM`` keyword arguments (JSON-serialisable), applied last.
     extra_engine_kwargs: dict[str, Any] = field(default_factory=dict)
     # One dict of ``SamplingParams`` arguments per prompt, over the defaults above (e.g.
-    # ``{"seed": None, "top_k": 64}``); empty: every prompt gets the defaults.
+    # ``{"seed": None, "top_k": 64}``); empty: every prompt gets the defaults. A
+    # ``structured_outputs`` entry is a dict of ``StructuredOutputsParams`` arguments (JSON
+    # carries no such object to the subprocess), and ``logit_bias`` keys may be strings.
     sampling: list[dict[str, Any]] = field(default_factory=list)
     # The prompts as successive ``generate`` calls of these many requests each, in order (e.g.
     # ``[1, 3]``: the first prompt alone, then the next three together); empty: one call.
@@ -97,6 +99,10 @@ class RunConfig:
     # Record the Triton kernels the worker compiles and the CUDA graphs it captures while
     # generating (after start-up).
     count_triton_compiles: bool = False
+    # Record vLLM's refusal of the requests (the validation error it raises while adding them,
+    # e.g. a sampling parameter speculative decoding does not support) in RunResult.refusal
+    # instead of failing the run; the run then generates nothing.
+    record_refusal: bool = False
 
 
 @dataclass
@@ -104,6 +110,16 @@ class RunResult:
     token_ids: list[list[int]]
     # Every completion of every prompt (``n`` > 1 gives several); token_ids holds the first.
     all_token_ids: list[list[list[int]]] = field(default_factory=list)
+    # Per prompt, the first completion's logprobs as vLLM returned them: per output position,
+    # (token id, logprob) of the top ``logprobs`` tokens and the sampled one; empty for a prompt
+    # that asked for none.
+    logprobs: list[list[list[tuple[int, float]]]] = field(default_factory=list)
+    # Per prompt, the drafts accepted in the first completion, with the engine argument
+    # ``per_request_spec_decode_metrics`` (vLLM 0.32 on); None for a prompt without them.
+    accepted_drafts: list[int | None] = field(default_factory=list)
+    # With ``RunConfig.record_refusal``: the message of vLLM's validation error when it refused
+    # the requests (None: it took them).
+    refusal: str | None = None
     # vllm:spec_decode_* counters (per-position acceptance as a list); empty without a draft.
     spec_metrics: dict[str, Any] = field(default_factory=dict)
     # The class vLLM's runner module instantiates for gemma4_mtp in this process (ours when the
@@ -229,7 +245,8 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if single_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
+    from vllm.exceptions import VLLMValidationError
 
     if config.request_batches and sum(config.request_batches) != len(config.prompts):
         raise ValueError(
@@ -250,21 +267,29 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
         ignore_eos=True,
     )
     per_prompt = config.sampling or [{}] * len(config.prompts)
-    params = [SamplingParams(**{**defaults, **changes}) for changes in per_prompt]
+    params = [_sampling_params({**defaults, **changes}) for changes in per_prompt]
     if config.count_triton_compiles:
         llm.collective_rpc(_count_triton_compiles)
     llm.collective_rpc(_mark_serving_start)
     requests = [{"prompt_token_ids": p} for p in config.prompts]
     batches = config.request_batches or [len(requests)]
-    outputs = []
-    for size in batches:
-        start = len(outputs)
-        outputs += llm.generate(
-            requests[start : start + size], params[start : start + size], use_tqdm=False
-        )
+    outputs, refusal = [], None
+    try:
+        for size in batches:
+            start = len(outputs)
+            outputs += llm.generate(
+                requests[start : start + size], params[start : start + size], use_tqdm=False
+            )
+    except VLLMValidationError as error:
+        if not config.record_refusal:
+            raise
+        refusal = str(error)
     result = RunResult(
         token_ids=[list(o.outputs[0].token_ids) for o in outputs],
         all_token_ids=[[list(c.token_ids) for c in o.outputs] for o in outputs],
+        logprobs=[_logprobs(o.outputs[0].logprobs) for o in outputs],
+        accepted_drafts=[_accepted_drafts(o.outputs[0]) for o in outputs],
+        refusal=refusal,
     )
     result.spec_metrics = spec_metrics(llm.get_metrics())
     result.logits_processors_loaded_at_startup = loaded_at_startup
@@ -281,6 +306,37 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
         setattr(result, name, max(facts[name] for facts in result.rank_facts))  # of any rank
     del llm
     return result
+
+
+def _sampling_params(arguments: Mapping[str, Any]) -> Any:
+    """``vllm.SamplingParams`` of JSON-shaped arguments: a ``structured_outputs`` dict becomes
+    the ``StructuredOutputsParams`` it describes, and ``logit_bias`` keys (strings after JSON)
+    token ids again."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    arguments = dict(arguments)
+    structured = arguments.get("structured_outputs")
+    if isinstance(structured, Mapping):
+        arguments["structured_outputs"] = StructuredOutputsParams(**structured)
+    if arguments.get("logit_bias"):
+        arguments["logit_bias"] = {int(t): bias for t, bias in arguments["logit_bias"].items()}
+    return SamplingParams(**arguments)
+
+
+def _logprobs(positions: Any) -> list[list[tuple[int, float]]]:
+    """A completion's logprobs (vLLM's per-position dicts of ``Logprob``, or None) as
+    (token id, logprob) pairs per position."""
+    if positions is None:
+        return []
+    return [[(token, entry.logprob) for token, entry in position.items()] for position in positions]
+
+
+def _accepted_drafts(completion: Any) -> int | None:
+    """The drafts accepted in a completion, from its per-request speculative decoding metrics
+    (None where the engine kept none)."""
+    metrics = getattr(completion, "spec_decode_metrics", None)
+    return None if metrics is None else metrics.to_dict()["num_accepted_draft_tokens"]
 
 
 def _class_path(cls: type) -> str:
