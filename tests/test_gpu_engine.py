@@ -26,10 +26,17 @@ from gemma4_spec.testing.engine_run import (
     gpu_run_fields,
 )
 from gemma4_spec.testing.kv_norms import add_missing_k_norms
+from gemma4_spec.testing.suppressing_target import (
+    ARCHITECTURE,
+    MODEL_CLASS,
+    tokens_to_suppress,
+    write_suppressing_target,
+)
 from gemma4_spec.testing.tiny import (
     build_tiny_assistant,
     build_tiny_e2b_like_target,
     build_tiny_pair,
+    hf_greedy_tokens,
 )
 
 
@@ -52,15 +59,43 @@ def _pairs(root):  # type: ignore[no-untyped-def]
     return (("tiny", target, assistant), ("e2b", e2b, e2b_assistant))
 
 
-def _run_on(runner: str, root):  # type: ignore[no-untyped-def]
+def _suppressing_pair(root, prompts):  # type: ignore[no-untyped-def]
+    """The E2B-shaped target (the same weights as ``_pairs``'s) suppressing two tokens of its
+    greedy continuations of ``prompts`` (``tokens_to_suppress``), as the published
+    checkpoints' class suppresses its own (``testing/suppressing_target.py``); and those
+    tokens."""
+    e2b = build_tiny_e2b_like_target(root / "e2b-suppress", multimodal=False)
+    add_missing_k_norms(e2b)
+    suppressed = tokens_to_suppress(hf_greedy_tokens(e2b, prompts, MAX_TOKENS))
+    write_suppressing_target(e2b, suppressed)
+    assistant = build_tiny_assistant(root / "e2b-suppress-assistant", e2b, centroids=True)
+    return e2b, assistant, suppressed
+
+
+def _run_on(runner: str, root, suppressing=None):  # type: ignore[no-untyped-def]
     """Plain and ours for each pair, every engine on one model runner ("0": V1, "1": V2): vLLM
     0.26 keeps process-global CUDA-graph state that a V1 engine leaves unfit for a later V2
     engine in the same process ("CUDA graph capturing detected at an inappropriate time"), so
     each runner gets its own process. Greedy float32 output does not depend on the runner."""
     configs = _configs(_pairs(root), v2=runner == "1")
+    if suppressing is not None:
+        configs.update(_suppressing_configs(*suppressing[:2]))
     env = {"VLLM_USE_V2_MODEL_RUNNER": runner}
     results = generate_in_subprocess(list(configs.values()), env=env)
     return dict(zip(configs, results, strict=True))
+
+
+def _suppressing_configs(target, assistant) -> dict[str, RunConfig]:  # type: ignore[no-untyped-def]
+    common = dict(
+        gpu_run_fields(str(target), _prompts(), MAX_TOKENS),
+        register_models={ARCHITECTURE: MODEL_CLASS},
+    )
+    return {
+        "e2b-suppress-plain": RunConfig(**common),
+        "e2b-suppress-ours": RunConfig(
+            **common, assistant=str(assistant), num_speculative_tokens=3
+        ),
+    }
 
 
 # Synthetic acceptance (vLLM's benchmark mode): unconditional rates by draft position.
@@ -70,11 +105,15 @@ SYNTHETIC_RATES = [0.9, 0.6, 0.3]
 AGAIN_ORDER = [*range(5), *range(4, -1, -1), *range(5), *range(4, -1, -1)]
 
 
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
 def _configs(pairs, v2: bool = False) -> dict[str, RunConfig]:  # type: ignore[no-untyped-def]
     """name -> the engine of that name on ``pairs`` (``_pairs``), for either runner (``v2``:
     the V2-only ones too)."""
-    rng = random.Random(7)
-    prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
+    prompts = _prompts()
     configs = {}
     for name, tgt, drafter in pairs:
         common = gpu_run_fields(str(tgt), prompts, MAX_TOKENS)
@@ -128,8 +167,14 @@ def runs(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def v2_runs(tmp_path_factory):  # type: ignore[no-untyped-def]
-    return _run_on("1", tmp_path_factory.mktemp("gpu-v2"))
+def suppressing(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """(target, assistant, suppressed tokens) of ``_suppressing_pair``."""
+    return _suppressing_pair(tmp_path_factory.mktemp("gpu-suppress"), _prompts())
+
+
+@pytest.fixture(scope="module")
+def v2_runs(tmp_path_factory, suppressing):  # type: ignore[no-untyped-def]
+    return _run_on("1", tmp_path_factory.mktemp("gpu-v2"), suppressing)
 
 
 @on_gpu
@@ -168,6 +213,21 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     # (patch/patch_triton_attn.py), through these equal tokens.
     assert ours.flat_verify_rewrites > 0
     assert plain.flat_verify_rewrites == 0
+
+
+@on_gpu
+def test_v2_verification_graphs_serve_a_target_that_suppresses_tokens(v2_runs, suppressing) -> None:  # type: ignore[no-untyped-def]
+    # The published checkpoints' class sets its generation config's suppress_tokens to -inf by
+    # list indexing, which a CUDA graph capture does not allow; our verification suppresses
+    # them from a device tensor (patch/patch_v2_sample.py), and its graphs still serve.
+    free, plain = v2_runs["e2b-plain"], v2_runs["e2b-suppress-plain"]
+    ours = v2_runs["e2b-suppress-ours"]
+    assert plain.token_ids != free.token_ids  # the suppression bites: the same weights
+    assert not {t for tokens in plain.token_ids for t in tokens} & set(suppressing[2])
+    assert ours.token_ids == plain.token_ids
+    assert ours.drafter_class == PLUGIN_V2_SPECULATOR
+    assert ours.greedy_verify_uncapped > 0
+    assert ours.greedy_verify_graphed > 0
 
 
 @on_gpu

@@ -103,6 +103,10 @@ class RunConfig:
     # e.g. a sampling parameter speculative decoding does not support) in RunResult.refusal
     # instead of failing the run; the run then generates nothing.
     record_refusal: bool = False
+    # Model classes to register with vLLM before the engine starts (architecture ->
+    # "module:Class", e.g. a test target's, ``testing/suppressing_target.py``); single-process
+    # engines only (other processes of a multiprocess engine would not have them).
+    register_models: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -255,6 +259,11 @@ def generate(config: RunConfig, *, single_process: bool = False) -> RunResult:
         )
     if config.sampling and len(config.sampling) != len(config.prompts):
         raise ValueError(f"{len(config.sampling)} sampling dicts for {len(config.prompts)} prompts")
+    if config.register_models:
+        from vllm import ModelRegistry
+
+        for architecture, model_class in config.register_models.items():
+            ModelRegistry.register_model(architecture, model_class)
     cache = logitsprocs_cache()
     if cache is not None:
         cache.cache_clear()  # an earlier engine of this process may have filled it
