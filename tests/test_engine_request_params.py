@@ -490,3 +490,7 @@ def test_logit_bias_is_refused_with_speculation(runs: dict[str, RunResult], vari
     assert biased.refusal is None and biased.token_ids[0][0] != unset[0]
     assert runs[variant].refusal is not None and "logit_bias" in runs[variant].refusal
     assert runs[variant].token_ids == []
+    # Ours gives vLLM's refusal again with the parameter named and what to do
+    # (patch/patch_request_params.py); vLLM's own names neither.
+    named = "remove logit_bias from the request" in runs[variant].refusal
+    assert named is (variant == "centroids-logit-bias")

@@ -578,8 +578,15 @@ def _checking_processor_module() -> ModuleType:
 
         def _validate_params(self, params: Any, supported_tasks: Any) -> None:
             self.checked.append(params)
-            if params.logit_bias:
-                raise ValueError("logit_bias is not yet supported with speculative decoding")
+            if self.vllm_config.speculative_config is not None and (
+                params.logit_bias or params.min_p > 0
+            ):  # vLLM's words
+                raise ValueError(
+                    "The min_p and logit_bias sampling parameters are not yet supported with "
+                    "speculative decoding."
+                )
+            if params.logit_bias == {"bad": 1}:
+                raise ValueError("some other error")
 
     module = ModuleType("fake_vllm_input_processor")
     module.InputProcessor = InputProcessor  # type: ignore[attr-defined]
@@ -610,18 +617,48 @@ def test_logprob_token_ids_are_refused_on_gemma4_mtp_engines(
         use_v2_model_runner=v2,
     )
     processor = _checking_processor_module().InputProcessor(config)  # type: ignore[attr-defined]
-    params = SimpleNamespace(logprob_token_ids=ids, logit_bias=None)
+    params = SimpleNamespace(logprob_token_ids=ids, logit_bias=None, min_p=0.0)
     error = type(patch_request_params.validation_error("", "x"))  # vLLM's class for a 400
     if refused:
-        with pytest.raises(error, match="logprob_token_ids is not supported") as info:
+        with pytest.raises(error, match="logprob_token_ids .* is not supported") as info:
             processor._validate_params(params, ("generate",))
         assert getattr(info.value, "parameter", None) == "logprob_token_ids"
     else:
         processor._validate_params(params, ("generate",))
     assert processor.checked == [params]  # vLLM's own check ran first, either way
-    biased = SimpleNamespace(logprob_token_ids=ids, logit_bias={1: 1.0})
-    with pytest.raises(ValueError, match="logit_bias"):  # vLLM's refusal stands
-        processor._validate_params(biased, ("generate",))
+
+
+@pytest.mark.parametrize(
+    ("method", "changes", "named"),
+    [
+        ("gemma4_mtp", {"logit_bias": {1: 1.0}}, "logit_bias"),
+        ("gemma4_mtp", {"min_p": 0.5}, "min_p"),
+        ("eagle", {"min_p": 0.5}, None),  # other engines: vLLM's words as they are
+    ],
+)
+def test_vllms_speculative_refusals_name_the_parameter(
+    method: str, changes: dict[str, Any], named: str | None
+) -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(speculative_config=_FakeSpec(method), use_v2_model_runner=False)
+    processor = _checking_processor_module().InputProcessor(config)  # type: ignore[attr-defined]
+    params = SimpleNamespace(
+        **{"logprob_token_ids": None, "logit_bias": None, "min_p": 0.0, **changes}
+    )
+    with pytest.raises(Exception) as info:
+        processor._validate_params(params, ("generate",))
+    message = str(info.value)
+    if named is None:
+        assert message.startswith("The min_p and logit_bias")
+        return
+    assert getattr(info.value, "parameter", None) == named
+    assert f"remove {named} from the request" in message and "--speculative-config" in message
+    assert "not yet supported with speculative decoding" in str(info.value.__cause__)
+    other = SimpleNamespace(logprob_token_ids=None, logit_bias={"bad": 1}, min_p=0.0)
+    config.speculative_config = None  # not vLLM's speculative refusal: left as it is
+    with pytest.raises(ValueError, match="some other error"):
+        processor._validate_params(other, ("generate",))
 
 
 # --- the logits-processor plugins loaded when the front end starts (patch_input_processor) ------
