@@ -588,12 +588,22 @@ def _checking_processor_module() -> ModuleType:
             if params.logit_bias == {"bad": 1}:
                 raise ValueError("some other error")
 
+    return _processor_module_patched_twice(
+        InputProcessor, patch_request_params.apply, "_validate_params"
+    )
+
+
+def _processor_module_patched_twice(
+    processor: type, apply: Callable[[ModuleType], None], method: str
+) -> ModuleType:
+    """A module holding ``processor`` as vLLM's input processor module holds its class, with
+    ``apply`` applied twice (the second must leave ``method`` as the first put it)."""
     module = ModuleType("fake_vllm_input_processor")
-    module.InputProcessor = InputProcessor  # type: ignore[attr-defined]
-    patch_request_params.apply(module)
-    once = InputProcessor._validate_params
-    patch_request_params.apply(module)  # idempotent
-    assert InputProcessor._validate_params is once
+    module.InputProcessor = processor  # type: ignore[attr-defined]
+    apply(module)
+    once = getattr(processor, method)
+    apply(module)  # idempotent
+    assert getattr(processor, method) is once
     return module
 
 
@@ -674,13 +684,7 @@ def _input_processor_module(eager_v2: bool) -> ModuleType:
 
     if eager_v2:
         setattr(InputProcessor, patch_input_processor.EAGER_V2_CHECKER, lambda self: None)
-    module = ModuleType("fake_vllm_input_processor")
-    module.InputProcessor = InputProcessor  # type: ignore[attr-defined]
-    patch_input_processor.apply(module)
-    once = InputProcessor.__init__
-    patch_input_processor.apply(module)  # idempotent
-    assert InputProcessor.__init__ is once
-    return module
+    return _processor_module_patched_twice(InputProcessor, patch_input_processor.apply, "__init__")
 
 
 @pytest.mark.parametrize(
