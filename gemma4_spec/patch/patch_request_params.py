@@ -51,15 +51,15 @@ def apply(module: ModuleType) -> None:
 
     @functools.wraps(validate)
     def _validate_params(self: Any, params: Any, *args: Any, **kwargs: Any) -> Any:
-        ours = drafts_with_gemma4_mtp(self.vllm_config)
+        gemma4_mtp = drafts_with_gemma4_mtp(self.vllm_config)
         try:
             checked = validate(self, params, *args, **kwargs)
         except Exception as error:
-            named = named_refusal(params, error) if ours else None
+            named = named_refusal(params, error) if gemma4_mtp else None
             if named is None:
                 raise
             raise named from error
-        if ours and getattr(params, LOGPROB_TOKEN_IDS, None):
+        if gemma4_mtp and getattr(params, LOGPROB_TOKEN_IDS, None):
             raise validation_error(REFUSAL, LOGPROB_TOKEN_IDS)
         return checked
 

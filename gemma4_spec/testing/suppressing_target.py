@@ -62,10 +62,10 @@ def _model_class() -> type:
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             generation = vllm_config.model_config.try_get_generation_config()
             self._suppress_token_ids = generation.get("suppress_tokens") if generation else None
-            self.__dict__["_language_model"] = _LanguageModel(self)
+            self._language_model = _LanguageModel(self)
 
         def get_language_model(self) -> Any:
-            return self.__dict__["_language_model"]
+            return self._language_model
 
         def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
             logits = super().compute_logits(hidden_states)
