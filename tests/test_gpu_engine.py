@@ -65,8 +65,8 @@ def _suppressing_pair(root, prompts):  # type: ignore[no-untyped-def]
     checkpoints' class suppresses its own (``testing/suppressing_target.py``); and those
     tokens."""
     e2b = build_tiny_e2b_like_target(root / "e2b-suppress", multimodal=False)
-    add_missing_k_norms(e2b)
     suppressed = tokens_to_suppress(hf_greedy_tokens(e2b, prompts, MAX_TOKENS))
+    add_missing_k_norms(e2b)  # after transformers' reference, which has no use for them
     write_suppressing_target(e2b, suppressed)
     assistant = build_tiny_assistant(root / "e2b-suppress-assistant", e2b, centroids=True)
     return e2b, assistant, suppressed
