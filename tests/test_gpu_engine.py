@@ -29,14 +29,12 @@ from gemma4_spec.testing.kv_norms import add_missing_k_norms
 from gemma4_spec.testing.suppressing_target import (
     ARCHITECTURE,
     MODEL_CLASS,
-    tokens_to_suppress,
-    write_suppressing_target,
+    build_suppressing_pair,
 )
 from gemma4_spec.testing.tiny import (
     build_tiny_assistant,
     build_tiny_e2b_like_target,
     build_tiny_pair,
-    hf_greedy_tokens,
 )
 
 
@@ -57,19 +55,6 @@ def _pairs(root):  # type: ignore[no-untyped-def]
     add_missing_k_norms(e2b)  # vLLM 0.26 wants one on the KV-shared layers too
     e2b_assistant = build_tiny_assistant(root / "e2b-assistant", e2b, centroids=True)
     return (("tiny", target, assistant), ("e2b", e2b, e2b_assistant))
-
-
-def _suppressing_pair(root, prompts):  # type: ignore[no-untyped-def]
-    """The E2B-shaped target (the same weights as ``_pairs``'s) suppressing two tokens of its
-    greedy continuations of ``prompts`` (``tokens_to_suppress``), as the published
-    checkpoints' class suppresses its own (``testing/suppressing_target.py``); and those
-    tokens."""
-    e2b = build_tiny_e2b_like_target(root / "e2b-suppress", multimodal=False)
-    suppressed = tokens_to_suppress(hf_greedy_tokens(e2b, prompts, MAX_TOKENS))
-    add_missing_k_norms(e2b)  # after transformers' reference, which has no use for them
-    write_suppressing_target(e2b, suppressed)
-    assistant = build_tiny_assistant(root / "e2b-suppress-assistant", e2b, centroids=True)
-    return e2b, assistant, suppressed
 
 
 def _run_on(runner: str, root, suppressing=None):  # type: ignore[no-untyped-def]
@@ -168,8 +153,14 @@ def runs(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def suppressing(tmp_path_factory):  # type: ignore[no-untyped-def]
-    """(target, assistant, suppressed tokens) of ``_suppressing_pair``."""
-    return _suppressing_pair(tmp_path_factory.mktemp("gpu-suppress"), _prompts())
+    """The E2B-shaped target (the same weights as ``_pairs``'s) suppressing two tokens of its
+    greedy continuations, as the published checkpoints' class suppresses its own
+    (``testing/suppressing_target.py``): (target, assistant, suppressed tokens)."""
+    target, assistant, suppressed = build_suppressing_pair(
+        tmp_path_factory.mktemp("gpu-suppress"), _prompts(), MAX_TOKENS
+    )
+    add_missing_k_norms(target)  # after transformers' reference, which has no use for them
+    return target, assistant, suppressed
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,9 @@ from gemma4_spec.testing.engine_run import PLUGIN_PROPOSER, RunConfig, generate_
 from gemma4_spec.testing.suppressing_target import (
     ARCHITECTURE,
     MODEL_CLASS,
-    tokens_to_suppress,
-    write_suppressing_target,
+    build_suppressing_pair,
 )
-from gemma4_spec.testing.tiny import (
-    build_tiny_assistant,
-    build_tiny_e2b_like_target,
-    hf_greedy_tokens,
-)
+from gemma4_spec.testing.tiny import build_tiny_e2b_like_target
 
 pytestmark = pytest.mark.engine
 
@@ -40,10 +35,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 2048) for _ in range(n)] for n in PROMPT_LENGTHS]
     free = build_tiny_e2b_like_target(root / "free", multimodal=False)
-    target = build_tiny_e2b_like_target(root / "suppressing", multimodal=False)
-    suppressed = tokens_to_suppress(hf_greedy_tokens(free, prompts, MAX_TOKENS))
-    write_suppressing_target(target, suppressed)
-    assistant = build_tiny_assistant(root / "assistant", target, centroids=True)
+    target, assistant, suppressed = build_suppressing_pair(
+        root / "suppressing", prompts, MAX_TOKENS
+    )
     common: dict[str, Any] = dict(prompts=prompts, max_tokens=MAX_TOKENS)
     registered = dict(common, target=str(target), register_models={ARCHITECTURE: MODEL_CLASS})
     configs = {

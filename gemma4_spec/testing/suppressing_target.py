@@ -43,6 +43,26 @@ def tokens_to_suppress(continuations: Sequence[Sequence[int]]) -> list[int]:
     return sorted({continuations[0][1], continuations[-1][1]})
 
 
+def build_suppressing_pair(
+    root: str | Path, prompts: Sequence[Sequence[int]], max_tokens: int
+) -> tuple[Path, Path, list[int]]:
+    """An E2B-shaped text-only target under ``root`` (the default seed's weights) suppressing
+    ``tokens_to_suppress`` of transformers' greedy continuations of ``prompts``, and a copy-style
+    centroid assistant for it: (target, assistant, suppressed tokens)."""
+    from gemma4_spec.testing.tiny import (
+        build_tiny_assistant,
+        build_tiny_e2b_like_target,
+        hf_greedy_tokens,
+    )
+
+    root = Path(root)
+    target = build_tiny_e2b_like_target(root / "target", multimodal=False)
+    suppressed = tokens_to_suppress(hf_greedy_tokens(target, prompts, max_tokens))
+    write_suppressing_target(target, suppressed)
+    assistant = build_tiny_assistant(root / "assistant", target, centroids=True)
+    return target, assistant, suppressed
+
+
 @functools.cache
 def _model_class() -> type:
     import torch
