@@ -69,10 +69,15 @@ def _model_class() -> type:
     from vllm.model_executor.models.gemma4 import Gemma4ForCausalLM
 
     class _LanguageModel:
-        """The target's logits before the suppression (not a submodule: no weights of its own)."""
+        """The target seen as the multimodal class's language model: its logits before the
+        suppression, and everything else (``model.embed_tokens``, ``lm_head``, which drafters
+        share) the target's own. Not a submodule: no weights of its own."""
 
         def __init__(self, model: Any) -> None:
             self._model = model
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._model, name)
 
         def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
             return Gemma4ForCausalLM.compute_logits(self._model, hidden_states)
