@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import cprofile_rows  # noqa: E402
 import real_work  # noqa: E402
-from lazy_work import GcPauses, device_allocations  # noqa: E402
+from lazy_work import GcPauses, allocator_counts  # noqa: E402
 
 from gemma4_spec.testing.engine_run import watch_triton_compiles  # noqa: E402
 
@@ -117,18 +117,19 @@ def main() -> int:
             profile = cProfile.Profile()
             profiles.append(profile)
             compiles.phase = f"B={b} {which} pass"
-            allocs, frees = device_allocations()
+            before = allocator_counts()
             pauses.reset()
             start = time.perf_counter()
             profile.enable()
             llm.generate(prompts[:b], params, use_tqdm=False)
             profile.disable()
             wall = time.perf_counter() - start
-            allocs_after, frees_after = device_allocations()
+            done = {k: v - before[k] for k, v in allocator_counts().items()}
             print(
                 f"\n=== B={b} {which} pass: {wall:.3f} s; device allocations "
-                f"{allocs_after - allocs}, frees {frees_after - frees} (in this process); "
-                f"garbage collection {pauses}"
+                f"{done['device_allocs']} ({done['device_alloc_bytes'] / 2**20:.0f} MiB), "
+                f"frees {done['device_frees']}, allocator retries {done['alloc_retries']} "
+                f"(in this process); garbage collection {pauses}"
             )
             if args.triton_compiles:
                 compiles.report(compiles.phase)

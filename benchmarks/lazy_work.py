@@ -40,14 +40,24 @@ class GcPauses:
         )
 
 
-def device_allocations() -> tuple[int, int]:
-    """The caching allocator's device allocations and frees so far (0, 0 without CUDA)."""
+# The caching allocator's counters a pass is judged by (torch.cuda.memory_stats keys): its
+# cudaMalloc calls and cudaFree calls, the bytes those calls reserved, and its retries (a
+# failed cudaMalloc after which it frees its cached blocks, synchronizing the device, and
+# tries again: the costly kind of allocation).
+ALLOCATOR_STATS = {
+    "device_allocs": "num_device_alloc",
+    "device_frees": "num_device_free",
+    "device_alloc_bytes": "reserved_bytes.all.allocated",
+    "alloc_retries": "num_alloc_retries",
+}
+
+
+def allocator_counts() -> dict[str, int]:
+    """``ALLOCATOR_STATS`` so far (all 0 without CUDA)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return 0, 0
-    stats = torch.cuda.memory_stats()
-    return stats.get("num_device_alloc", 0), stats.get("num_device_free", 0)
+    stats = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    return {key: int(stats.get(name, 0)) for key, name in ALLOCATOR_STATS.items()}
 
 
 def dynamo_graphs() -> int:
@@ -76,13 +86,11 @@ class LazyWork:
         self.captures += 1
 
     def take(self) -> dict[str, Any]:
-        allocs, frees = device_allocations()
         return {
             "triton": len(self.compiled),
             "graph_captures": self.captures,
             "dynamo_graphs": dynamo_graphs(),
-            "device_allocs": allocs,
-            "device_frees": frees,
+            **allocator_counts(),
             "gc_s": sum(self.pauses.seconds),
             "gc_full": self.pauses.collections[2],
         }
@@ -102,12 +110,20 @@ COUNTED = (
     ("graph_captures", "graph captures"),
     ("dynamo_graphs", "Dynamo graphs"),
     ("device_allocs", "device allocations"),
+    ("alloc_retries", "allocator retries"),
 )
 
 
 def describe(done: dict[str, Any]) -> str:
-    """One line: the counts that are not zero, and the garbage collector's milliseconds."""
-    parts = [f"{label} {done[key]}" for key, label in COUNTED if done.get(key)]
+    """One line: the counts that are not zero (device allocations with the MiB they
+    reserved), and the garbage collector's milliseconds."""
+    parts = []
+    for key, label in COUNTED:
+        if done.get(key):
+            part = f"{label} {done[key]}"
+            if key == "device_allocs" and done.get("device_alloc_bytes"):
+                part += f" ({done['device_alloc_bytes'] / 2**20:.0f} MiB)"
+            parts.append(part)
     if done.get("gc_s", 0.0) >= 1e-3:
         parts.append(f"GC {done['gc_s'] * 1e3:.0f} ms ({done.get('gc_full', 0)} full)")
     return ", ".join(parts) or "nothing"
@@ -115,5 +131,5 @@ def describe(done: dict[str, Any]) -> str:
 
 def total(cells: list[dict[str, Any]]) -> dict[str, Any]:
     """The counts and GC seconds of several ``since`` results added up."""
-    keys = [key for key, _ in COUNTED] + ["gc_s", "gc_full"]
+    keys = [key for key, _ in COUNTED] + ["device_alloc_bytes", "gc_s", "gc_full"]
     return {key: sum(cell.get(key, 0) for cell in cells) for key in keys}

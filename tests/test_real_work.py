@@ -800,12 +800,18 @@ def test_lazy_work_counts_what_happened_between_two_takes(monkeypatch: pytest.Mo
         installing.setitem(sys.modules, "triton", SimpleNamespace(knobs=knobs))
         work = lazy_work.LazyWork()
     knobs.runtime.jit_cache_hook(repr="before[num_warps=4](n: i32)")
-    before = work.take()
-    assert knobs.runtime.jit_cache_hook(repr="kernel_a[num_warps=4](n: i32D)") is False
-    torch.cuda.CUDAGraph.capture_begin("a graph")
-    torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
-    gc.collect()
-    done = work.since(before)
+    # Only the collection below counts: none started by the allocations of torch.compile's
+    # first run (which happen when this test runs alone).
+    gc.disable()
+    try:
+        before = work.take()
+        assert knobs.runtime.jit_cache_hook(repr="kernel_a[num_warps=4](n: i32D)") is False
+        torch.cuda.CUDAGraph.capture_begin("a graph")
+        torch.compile(lambda x: x * 2 + 1, backend="eager")(torch.ones(3))
+        gc.collect()
+        done = work.since(before)
+    finally:
+        gc.enable()
     assert began == ["a graph"]
     assert done["triton"] == 1 and done["triton_kernels"] == ["kernel_a[num_warps=4](n: i32D)"]
     assert done["graph_captures"] == 1
@@ -817,6 +823,14 @@ def test_lazy_work_counts_what_happened_between_two_takes(monkeypatch: pytest.Mo
     text = lazy_work.describe(lazy_work.total([done, done]))
     assert text.startswith("Triton compiles 2, graph captures 2, Dynamo graphs 2, GC ")
     gc.callbacks.remove(work.pauses._callback)
+    # The allocator's counters: what a first pass's allocations reserved, and its retries
+    # (the allocator emptying its cache), said beside the count.
+    assert set(done) >= set(lazy_work.ALLOCATOR_STATS)
+    allocated = {"device_allocs": 1, "device_alloc_bytes": 3 << 20, "alloc_retries": 2}
+    assert lazy_work.describe(allocated) == "device allocations 1 (3 MiB), allocator retries 2"
+    assert lazy_work.total([allocated, allocated])["device_alloc_bytes"] == 6 << 20
+    # Cells saved before these counters existed still describe.
+    assert lazy_work.describe({"device_allocs": 2}) == "device allocations 2"
 
 
 def test_tables_show_a_first_pass_slower_than_every_steady_one_and_what_it_compiled(
