@@ -85,7 +85,13 @@ def _v2_draft_loop_interfaces() -> Iterator[str]:
         Overrides(
             V2_LOOP,
             V2_SPECULATOR,
-            own=("_dispatch", "_draft_loop", "_init_loop_state", "_vllms_propose"),
+            own=(
+                "_dispatch",
+                "_draft_loop",
+                "_init_loop_state",
+                "_propose_with_loop",
+                "_vllms_propose",
+            ),
         ),
         Attributes(
             V2_SPECULATOR,
@@ -590,6 +596,9 @@ CONTRACTS: tuple[Contract, ...] = (
     ),
     Exists("vllm.v1.worker.utils:AttentionGroup.get_metadata_builder", "callable"),
     Check("drafting metadata", _drafting_metadata_builder),
+    # spec_decode/proposer.py, draft_graphs.py, runner_v2.py, patch/patch_v2_sample.py: the
+    # profiler scopes (record_function under VLLM_CUSTOM_SCOPES_FOR_PROFILING).
+    Params("vllm.v1.utils:record_function_or_nullcontext", positional=("name",)),
     Attributes("vllm.v1.kv_cache_interface:KVCacheConfig", ("kv_cache_groups",)),
     Attributes("vllm.v1.kv_cache_interface:KVCacheGroupSpec", ("layer_names", "kv_cache_spec")),
     Attributes("vllm.v1.kv_cache_interface:UniformTypeKVCacheSpecs", ("kv_cache_specs",)),

@@ -285,9 +285,16 @@ def apply(module: ModuleType) -> None:
     if not v2_greedy_verify_supported():
         return
     vllms_sample = runner_class.sample
+    from vllm.v1.utils import record_function_or_nullcontext as scope
 
     @functools.wraps(vllms_sample)
     def sample(self: Any, hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
+        # A profiler scope (under VLLM_CUSTOM_SCOPES_FOR_PROFILING): the verification's GPU
+        # span, apart from the target's forward and the draft loop (benchmarks/profile_decode.py).
+        with scope("gemma4_spec: V2 verification"):
+            return verify(self, hidden_states, input_batch, grammar_output)
+
+    def verify(self: Any, hidden_states: Any, input_batch: Any, grammar_output: Any) -> Any:
         graphs = getattr(self, VERIFY_GRAPHS_ATTR, None)
         # Looked up once per runner; a target without a cap and no graphs stop here each step.
         head = capped_head(self) if not turned_off(UNCAPPED_VERIFY_ENV) else None

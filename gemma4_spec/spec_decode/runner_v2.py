@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.utils import record_function_or_nullcontext as scope
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.spec_decode.gemma4.speculator import Gemma4Speculator
 
@@ -133,6 +134,31 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
                 mm_inputs=mm_inputs,
                 is_profile=is_profile,
             )
+        # A profiler scope (under VLLM_CUSTOM_SCOPES_FOR_PROFILING): the draft loop's GPU span,
+        # apart from the target's forward and the verification (benchmarks/profile_decode.py).
+        with scope("gemma4_spec: V2 draft loop"):
+            return self._propose_with_loop(
+                input_batch, last_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds, dummy_run, skip_attn_for_dummy_run,
+                is_profile,
+            )  # fmt: skip
+
+    def _propose_with_loop(
+        self,
+        input_batch: Any,
+        last_hidden_states: torch.Tensor,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        dummy_run: bool,
+        skip_attn_for_dummy_run: bool,
+        is_profile: bool,
+    ) -> torch.Tensor:
+        """Our draft loop over the verified batch: stage each request's last accepted token,
+        position, hidden state and key count, then replay the loop's graph (or run it)."""
         num_reqs = input_batch.num_reqs
         if self.draft_logits is not None:  # what Gumbel sampling of the drafts reads
             self._copy_request_inputs(num_reqs, input_batch.idx_mapping, temperature, seeds)
