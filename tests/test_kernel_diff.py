@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -99,3 +100,18 @@ def test_kernel_times_count_device_events_only() -> None:
         "nvjet_a": (2, 7.5),
         "_stage_kernel": (1, 1.0),
     }
+
+    # With the profiler's flag for annotations: an Inductor kernel launched inside a CPU scope
+    # of its own name (as Inductor's generated code does under the profiler) is still a kernel.
+    def flagged(name: str, device: str, start: float, end: float, note: bool = False) -> Any:
+        return SimpleNamespace(**vars(event(name, device, start, end)), is_user_annotation=note)
+
+    fused = "triton_red_fused_add_rms_norm_0"
+    events = [
+        flagged("nvjet_a", "DeviceType.CUDA", 0.0, 5.0),
+        flagged(fused, "DeviceType.CPU", 5.0, 6.0),
+        flagged(fused, "DeviceType.CUDA", 6.0, 8.0),
+        flagged("gemma4_spec: V2 draft loop", "DeviceType.CPU", 0.0, 30.0, note=True),
+        flagged("gemma4_spec: V2 draft loop", "DeviceType.CUDA", 0.0, 30.0, note=True),
+    ]
+    assert profile_decode._kernel_times(events) == {"nvjet_a": (1, 5.0), fused: (1, 2.0)}
