@@ -85,13 +85,7 @@ def _v2_draft_loop_interfaces() -> Iterator[str]:
         Overrides(
             V2_LOOP,
             V2_SPECULATOR,
-            own=(
-                "_dispatch",
-                "_draft_loop",
-                "_init_loop_state",
-                "_propose_with_loop",
-                "_vllms_propose",
-            ),
+            own=("_dispatch", "_draft_loop", "_init_loop_state", "_vllms_propose"),
         ),
         Attributes(
             V2_SPECULATOR,

@@ -137,64 +137,42 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         # A profiler scope (under VLLM_CUSTOM_SCOPES_FOR_PROFILING): the draft loop's GPU span,
         # apart from the target's forward and the verification (benchmarks/profile_decode.py).
         with scope("gemma4_spec: V2 draft loop"):
-            return self._propose_with_loop(
-                input_batch, last_hidden_states, num_sampled, num_rejected, last_sampled,
-                next_prefill_tokens, temperature, seeds, dummy_run, skip_attn_for_dummy_run,
-                is_profile,
-            )  # fmt: skip
-
-    def _propose_with_loop(
-        self,
-        input_batch: Any,
-        last_hidden_states: torch.Tensor,
-        num_sampled: torch.Tensor,
-        num_rejected: torch.Tensor,
-        last_sampled: torch.Tensor,
-        next_prefill_tokens: torch.Tensor,
-        temperature: torch.Tensor,
-        seeds: torch.Tensor,
-        dummy_run: bool,
-        skip_attn_for_dummy_run: bool,
-        is_profile: bool,
-    ) -> torch.Tensor:
-        """Our draft loop over the verified batch: stage each request's last accepted token,
-        position, hidden state and key count, then replay the loop's graph (or run it)."""
-        num_reqs = input_batch.num_reqs
-        if self.draft_logits is not None:  # what Gumbel sampling of the drafts reads
-            self._copy_request_inputs(num_reqs, input_batch.idx_mapping, temperature, seeds)
-        desc = self._dispatch(num_reqs, need_eager=is_profile)
-        full = desc.cg_mode == CUDAGraphMode.FULL
-        size = desc.num_tokens if full else num_reqs
-        step = RunnerV2Step(
-            query_start_loc=input_batch.query_start_loc,
-            seq_lens=input_batch.seq_lens,
-            positions=input_batch.positions,
-            hidden=last_hidden_states,
-            idx_mapping=input_batch.idx_mapping,
-            num_sampled=num_sampled,
-            rejected=num_rejected,
-            last_sampled=last_sampled,
-            next_prefill_tokens=next_prefill_tokens,
-        )
-        stage_runner_v2_inputs(
-            step, self._staged, self.input_buffers.query_start_loc, num_reqs, size
-        )
-        self._prepare_eplb_forward(num_reqs)
-        if full:
-            assert self.decode_cudagraph_manager is not None
-            self.decode_cudagraph_manager.run_fullgraph(desc)
-            self.loop_replays += 1
-        else:
-            attn = None
-            if not (dummy_run and skip_attn_for_dummy_run):
-                longest = int(input_batch.seq_lens_cpu_upper_bound[:num_reqs].max())
-                self.draft_max_seq_len = min(longest, self.max_model_len)
-                attn = self._build_draft_attn_metadata(
-                    num_reqs=num_reqs, num_reqs_padded=num_reqs, num_tokens_padded=num_reqs
-                )
-            self._draft_loop(num_reqs, num_reqs, attn, None, None)
-            self.loop_eager += 1
-        return self.draft_tokens[:num_reqs]
+            num_reqs = input_batch.num_reqs
+            if self.draft_logits is not None:  # what Gumbel sampling of the drafts reads
+                self._copy_request_inputs(num_reqs, input_batch.idx_mapping, temperature, seeds)
+            desc = self._dispatch(num_reqs, need_eager=is_profile)
+            full = desc.cg_mode == CUDAGraphMode.FULL
+            size = desc.num_tokens if full else num_reqs
+            step = RunnerV2Step(
+                query_start_loc=input_batch.query_start_loc,
+                seq_lens=input_batch.seq_lens,
+                positions=input_batch.positions,
+                hidden=last_hidden_states,
+                idx_mapping=input_batch.idx_mapping,
+                num_sampled=num_sampled,
+                rejected=num_rejected,
+                last_sampled=last_sampled,
+                next_prefill_tokens=next_prefill_tokens,
+            )
+            stage_runner_v2_inputs(
+                step, self._staged, self.input_buffers.query_start_loc, num_reqs, size
+            )
+            self._prepare_eplb_forward(num_reqs)
+            if full:
+                assert self.decode_cudagraph_manager is not None
+                self.decode_cudagraph_manager.run_fullgraph(desc)
+                self.loop_replays += 1
+            else:
+                attn = None
+                if not (dummy_run and skip_attn_for_dummy_run):
+                    longest = int(input_batch.seq_lens_cpu_upper_bound[:num_reqs].max())
+                    self.draft_max_seq_len = min(longest, self.max_model_len)
+                    attn = self._build_draft_attn_metadata(
+                        num_reqs=num_reqs, num_reqs_padded=num_reqs, num_tokens_padded=num_reqs
+                    )
+                self._draft_loop(num_reqs, num_reqs, attn, None, None)
+                self.loop_eager += 1
+            return self.draft_tokens[:num_reqs]
 
     def _vllms_propose(self) -> bool:
         """Engines vLLM's ``propose`` drafts for: data parallelism (its graph sizes are
