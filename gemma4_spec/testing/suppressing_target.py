@@ -77,6 +77,8 @@ def _model_class() -> type:
             self._model = model
 
         def __getattr__(self, name: str) -> Any:
+            if name == "_model":  # not set yet (a copy being built): no recursion through it
+                raise AttributeError(name)
             return getattr(self._model, name)
 
         def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
