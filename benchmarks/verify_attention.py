@@ -7,9 +7,12 @@ does), with a plain decode step (one query token per request) for scale, through
 
 E2B-like layer: 8 query heads, 1 KV head, head size 256 (sliding window 512) or 512 (full
 attention), block size 16, bf16. Each variant in a CUDA graph, cold L2 (``centroid_argmax``'s
-harness), median of ``--reps`` replays, in us.
+harness), median of ``--reps`` replays, in us. ``split s=N``: the split kernel with N softmax
+segments instead of vLLM's 16 (``GEMMA4_SPEC_VERIFY_SEGMENTS``; ``-``/NaN where its scratch
+cannot hold the batch); ``auto s``: the segments ``verify_segments`` picks for the batch.
 
-    python benchmarks/verify_attention.py --batch 1,8,32 --context 256,2048 --json out.json
+    python benchmarks/verify_attention.py --batch 1,8,32 --context 256,2048 --k 3 \
+        --segments 8,4,2 --json out.json
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from centroid_argmax import _time_cuda  # noqa: E402
 
-from gemma4_spec.testing.triton_attention import PagedAttention  # noqa: E402
+from gemma4_spec.patch.patch_triton_attn import SplitShape, verify_segments  # noqa: E402
+from gemma4_spec.testing.triton_attention import (  # noqa: E402
+    SEGMENTS,
+    THRESHOLD_3D,
+    PagedAttention,
+)
 
 HEADS, KV_HEADS, BLOCK = 8, 1, 16
 LAYERS = {"sliding-256": (256, 512), "full-512": (512, 0)}
@@ -33,9 +41,9 @@ LAYERS = {"sliding-256": (256, 512), "full-512": (512, 0)}
 
 def _measure(
     head_dim: int, window: int, context: int, batch: int, q_len: int, reps: int,
-    flush: torch.Tensor,
+    flush: torch.Tensor, segment_counts: list[int],
 ) -> dict[str, float]:  # fmt: skip
-    """us of each variant for one layer shape."""
+    """us of each variant for one layer shape (NaN where the scratch cannot hold the batch)."""
     device = flush.device
     blocks = (context + q_len + BLOCK - 1) // BLOCK
     cache = torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, head_dim, device=device).bfloat16()
@@ -49,11 +57,24 @@ def _measure(
     starts = (torch.arange(batch + 1, device=device) * q_len).int()
     seq_lens = torch.full((batch,), context + q_len, device=device).int()
     decode_starts = torch.arange(batch + 1, device=device).int()
+
+    def split(segments: int) -> float:
+        if batch * q_len > THRESHOLD_3D * SEGMENTS // segments:
+            return float("nan")
+        return _time_cuda(
+            lambda: attention(
+                verify_q, starts, 1, seq_lens, table, context + q_len, segments=segments
+            ),
+            reps,
+            flush,
+        )
+
     return {
         "vllm_2d": _time_cuda(
             lambda: attend(verify_q, starts, q_len, seq_lens, table), reps, flush
         ),
-        "split_3d": _time_cuda(lambda: attend(verify_q, starts, 1, seq_lens, table), reps, flush),
+        "split_3d": split(SEGMENTS),
+        **{f"split_3d_s{n}": split(n) for n in segment_counts if n != SEGMENTS},
         "decode": _time_cuda(
             lambda: attend(verify_q[:batch], decode_starts, 1, seq_lens, table), reps, flush
         ),
@@ -71,26 +92,36 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8,32")
     parser.add_argument("--context", default="256,2048")
     parser.add_argument("--k", type=int, default=2)
+    parser.add_argument("--segments", default="8,4,2", help="split kernel segments besides 16")
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    counts = [int(n) for n in args.segments.split(",") if n]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shape = SplitShape(HEADS, KV_HEADS, sms)
     rows = []
+    extra = "".join(f"{f'split s={n}':>10s}" for n in counts)
     print(
-        f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'split 3D':>8s} "
-        f"{'decode':>8s} {'dec. 2D':>8s}"
+        f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'split 3D':>8s}{extra} "
+        f"{'auto s':>6s} {'decode':>8s} {'dec. 2D':>8s}"
     )
     for name, (head_dim, window) in LAYERS.items():
         for context in (int(c) for c in args.context.split(",")):
             for batch in (int(b) for b in args.batch.split(",")):
-                times = _measure(head_dim, window, context, batch, 1 + args.k, args.reps, flush)
+                q_len = 1 + args.k
+                times = _measure(head_dim, window, context, batch, q_len, args.reps, flush, counts)
+                auto = verify_segments(batch * q_len, batch, shape, SEGMENTS)
+                extra = "".join(f"{times[f'split_3d_s{n}']:10.1f}" for n in counts)
                 print(
                     f"{name:12s} {batch:3d} {context:5d} {times['vllm_2d']:8.1f} "
-                    f"{times['split_3d']:8.1f} {times['decode']:8.1f} "
+                    f"{times['split_3d']:8.1f}{extra} {auto:6d} {times['decode']:8.1f} "
                     f"{times['decode_2d']:8.1f}",
                     flush=True,
                 )
-                rows.append(dict(layer=name, batch=batch, context=context, k=args.k, **times))
+                rows.append(
+                    dict(layer=name, batch=batch, context=context, k=args.k, auto=auto, **times)
+                )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

@@ -35,6 +35,7 @@ def check_gemma4_mtp_request(spec_config: Any) -> None:
     """Raise a clear error if this vLLM, the target or the assistant cannot run gemma4_mtp."""
     check_vllm_version()
     _check_parallelism(spec_config)
+    _check_environment()
     draft = spec_config.draft_model_config
     target = spec_config.target_model_config
     if draft is None or target is None:
@@ -70,6 +71,13 @@ def _check_parallelism(spec_config: Any) -> None:
             "embedding and its K/V caches on the last stage. Use tensor parallelism instead "
             "(--tensor-parallel-size) with pipeline_parallel_size=1."
         )
+
+
+def _check_environment() -> None:
+    """Settings read later, at engine start-up, checked now."""
+    from gemma4_spec.patch.patch_triton_attn import verify_segments_setting
+
+    verify_segments_setting()
 
 
 def _tensor_parallel_size(target_parallel_config: Any) -> int:
