@@ -844,6 +844,22 @@ CONTRACTS: tuple[Contract, ...] = (
         "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadata",
         ("causal", "block_table", "query_start_loc", "seq_lens", "max_query_len"),
     ),
+    # ... and for GEMMA4_SPEC_VERIFY_SEGMENTS: the segment count the kernel and its reduction
+    # take from the metadata, the scratch it views, and what "auto" reads.
+    Attributes(
+        "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadata",
+        (
+            "num_par_softmax_segments",
+            "softmax_segm_output",
+            "softmax_segm_max",
+            "softmax_segm_expsum",
+        ),
+    ),
+    Attributes(
+        "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadataBuilder",
+        ("num_heads_q", "num_heads_kv"),
+    ),
+    Attributes("vllm.v1.attention.backend:CommonAttentionMetadata", ("num_reqs",)),
     Check("cascade flag where flat verify runs", _cascade_flag_where_flat_verify_runs),
 )
 
