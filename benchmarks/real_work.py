@@ -129,10 +129,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_VERIFY_SEGMENTS": "4"},
         "spec": {},
     },
-    "ours-V2-segauto": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_VERIFY_SEGMENTS": "auto"},
-        "spec": {},
-    },
     # vLLM's own V2 speculator (its draft prefill and step graphs) drafting with our model:
     # what our V2 draft loop (patch/patch_v2_speculator.py) earns.
     "ours-V2-vllmloop": {

@@ -9,7 +9,7 @@ E2B-like layer: 8 query heads, 1 KV head, head size 256 (sliding window 512) or 
 attention), block size 16, bf16. Each variant in a CUDA graph, cold L2 (``centroid_argmax``'s
 harness), median of ``--reps`` replays, in us. ``split s=N``: the split kernel with N softmax
 segments instead of vLLM's 16 (``GEMMA4_SPEC_VERIFY_SEGMENTS``; ``-``/NaN where its scratch
-cannot hold the batch); ``auto s``: the segments ``verify_segments`` picks for the batch.
+cannot hold the batch).
 
     python benchmarks/verify_attention.py --batch 1,8,32 --context 256,2048 --k 3 \
         --segments 8,4,2 --json out.json
@@ -28,7 +28,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from centroid_argmax import _time_cuda  # noqa: E402
 
-from gemma4_spec.patch.patch_triton_attn import SplitShape, verify_segments  # noqa: E402
 from gemma4_spec.testing.triton_attention import (  # noqa: E402
     SEGMENTS,
     THRESHOLD_3D,
@@ -98,30 +97,25 @@ def main() -> None:
     args = parser.parse_args()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     counts = [int(n) for n in args.segments.split(",") if n]
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shape = SplitShape(HEADS, KV_HEADS, sms)
     rows = []
     extra = "".join(f"{f'split s={n}':>10s}" for n in counts)
     print(
         f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'split 3D':>8s}{extra} "
-        f"{'auto s':>6s} {'decode':>8s} {'dec. 2D':>8s}"
+        f"{'decode':>8s} {'dec. 2D':>8s}"
     )
     for name, (head_dim, window) in LAYERS.items():
         for context in (int(c) for c in args.context.split(",")):
             for batch in (int(b) for b in args.batch.split(",")):
                 q_len = 1 + args.k
                 times = _measure(head_dim, window, context, batch, q_len, args.reps, flush, counts)
-                auto = verify_segments(batch * q_len, batch, shape, SEGMENTS)
                 extra = "".join(f"{times[f'split_3d_s{n}']:10.1f}" for n in counts)
                 print(
                     f"{name:12s} {batch:3d} {context:5d} {times['vllm_2d']:8.1f} "
-                    f"{times['split_3d']:8.1f}{extra} {auto:6d} {times['decode']:8.1f} "
+                    f"{times['split_3d']:8.1f}{extra} {times['decode']:8.1f} "
                     f"{times['decode_2d']:8.1f}",
                     flush=True,
                 )
-                rows.append(
-                    dict(layer=name, batch=batch, context=context, k=args.k, auto=auto, **times)
-                )
+                rows.append(dict(layer=name, batch=batch, context=context, k=args.k, **times))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

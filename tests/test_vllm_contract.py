@@ -845,7 +845,7 @@ CONTRACTS: tuple[Contract, ...] = (
         ("causal", "block_table", "query_start_loc", "seq_lens", "max_query_len"),
     ),
     # ... and for GEMMA4_SPEC_VERIFY_SEGMENTS: the segment count the kernel and its reduction
-    # take from the metadata, the scratch it views, and what "auto" reads.
+    # take from the metadata and the scratch it views.
     Attributes(
         "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadata",
         (
@@ -855,11 +855,6 @@ CONTRACTS: tuple[Contract, ...] = (
             "softmax_segm_expsum",
         ),
     ),
-    Attributes(
-        "vllm.v1.attention.backends.triton_attn:TritonAttentionMetadataBuilder",
-        ("num_heads_q", "num_heads_kv"),
-    ),
-    Attributes("vllm.v1.attention.backend:CommonAttentionMetadata", ("num_reqs",)),
     Check("cascade flag where flat verify runs", _cascade_flag_where_flat_verify_runs),
 )
 

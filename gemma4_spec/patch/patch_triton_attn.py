@@ -27,13 +27,15 @@ of the first version of this patch, which rewrote each query token as a one-toke
 Softmax segments: vLLM's split kernel divides each sequence's keys into 16 segments, and for
 every query token and head writes each segment's float32 partial output, which a second kernel
 (``reduce_segments``) reads back and combines. A verification batch has ``1 + k`` times the
-query tokens of a decode batch, so that scratch traffic grows with it, while the programs it
-buys (query blocks x KV heads x segments) fill the GPU with fewer segments once the batch is
-large. ``GEMMA4_SPEC_VERIFY_SEGMENTS`` sets the segments of verification batches: unset, vLLM's
-16; a power of two from 1 to 16; or ``auto``, the fewest that still give about
-``AUTO_SEGMENT_WAVES`` programs per SM (``verify_segments``). The rewrite then views the
-builder's scratch with that many segments (the same memory holds proportionally more query
-rows) and sets the metadata's segment count, which the kernel and the reduction both take.
+query tokens of a decode batch, so that scratch traffic grows with it. With
+``GEMMA4_SPEC_VERIFY_SEGMENTS`` (a power of two from 1 to 16; unset: vLLM's 16) verification
+batches use fewer segments: the rewrite views the builder's scratch with that many segments per
+row (the same memory holds proportionally more query rows) and sets the metadata's segment
+count, which the kernel and the reduction both take. Fewer segments also mean longer walks over
+the keys per program, and vLLM splits the whole sequence, not a sliding layer's window, so the
+window's keys fall in fewer programs as the context grows: the setting pays at large batches
+of short contexts and costs at long ones (``benchmarks/results/h100``), and a CUDA graph fixes
+it at capture, so it cannot follow the context; it stays opt-in.
 
 Both model runners: each builds the step's metadata through ``build`` before it replays a full
 graph (with ``GEMMA4_SPEC_V2_DRAFT_LOOP=0``, V2 also for vLLM's draft prefill, which reuses the
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -67,13 +68,7 @@ FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
 # GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS.
 SPLIT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "128"))
 SEGMENTS_ENV = "GEMMA4_SPEC_VERIFY_SEGMENTS"
-AUTO_SEGMENTS = "auto"
-# ``auto``: split kernel programs per SM to aim for (module docstring).
-AUTO_SEGMENT_WAVES = 2
-# vLLM's Triton kernel puts this many query heads in one program's block of rows, at least
-# (``BLOCK_M`` in 0.26's ``unified_attention``): with fewer heads per KV head, one program takes
-# several query tokens.
-KERNEL_BLOCK_M = 16
+SEGMENT_CHOICES = (1, 2, 4, 8, 16)
 
 logger = get_logger(__name__)
 _logged = False
@@ -100,30 +95,17 @@ def apply(module: ModuleType) -> None:
 class SplitKeyVerify:
     """One builder's rewrite of verification batches onto the split-key kernel."""
 
-    def __init__(
-        self,
-        max_query_len: int,
-        capacity: int,
-        segments: int | None = None,
-        shape: SplitShape | None = None,
-    ) -> None:
+    def __init__(self, max_query_len: int, capacity: int, segments: int | None = None) -> None:
         self.max_query_len = max_query_len
         self.capacity = capacity  # query tokens the split kernel's scratch holds, at most
-        # Softmax segments of verification batches: None keeps the builder's; 0 picks them by
-        # ``verify_segments`` for each batch (``shape`` then says the kernel's grid).
-        self.segments = segments
-        self.shape = shape
+        self.segments = segments  # softmax segments of verification batches; None: the builder's
         self.rewrites = 0  # builds rewritten so far (the GPU engine test checks it is used)
 
-    def segments_for(self, common: Any, metadata: Any) -> int | None:
+    def segments_for(self, metadata: Any) -> int | None:
         """The batch's softmax segments, or None to keep the builder's."""
         if self.segments is None:
             return None
-        built: int = metadata.num_par_softmax_segments
-        if self.segments == 0:
-            assert self.shape is not None
-            return verify_segments(common.num_actual_tokens, common.num_reqs, self.shape, built)
-        return min(self.segments, built)
+        return min(self.segments, metadata.num_par_softmax_segments)
 
     def applies(self, common: Any, metadata: Any, segments: int | None = None) -> bool:
         # ``use_cascade``: 0.26's Triton metadata has it; from 0.32 the backend has no cascade
@@ -145,7 +127,7 @@ class SplitKeyVerify:
         return min(rows // segments, SPLIT_VERIFY_MAX_TOKENS)
 
     def rewrite(self, common: Any, metadata: Any) -> Any:
-        segments = self.segments_for(common, metadata)
+        segments = self.segments_for(metadata)
         if self.applies(common, metadata, segments):
             _log_once()
             self.rewrites += 1
@@ -164,32 +146,6 @@ class SplitKeyVerify:
                     metadata.softmax_segm_expsum,
                 ) = views
         return metadata
-
-
-@dataclass(frozen=True)
-class SplitShape:
-    """What the split kernel's grid depends on besides the batch: its programs are query blocks
-    x KV heads x segments."""
-
-    query_heads: int
-    kv_heads: int
-    sms: int
-
-
-def verify_segments(num_tokens: int, num_reqs: int, shape: SplitShape, most: int) -> int:
-    """The fewest softmax segments (a power of two, at most ``most``) that give the split
-    kernel about ``AUTO_SEGMENT_WAVES`` programs per SM for a batch of ``num_tokens`` query
-    tokens in ``num_reqs`` requests: fewer segments write and reduce less scratch, more keep
-    the GPU busy."""
-    per_kv = max(1, shape.query_heads // shape.kv_heads)
-    block_q = max(1, KERNEL_BLOCK_M // per_kv)
-    # vLLM's grid: an upper bound of query blocks (each request's last block may be partial).
-    programs = (num_tokens // block_q + num_reqs) * shape.kv_heads
-    want = -(-AUTO_SEGMENT_WAVES * shape.sms // max(1, programs))
-    segments = 1
-    while segments < want and segments < most:
-        segments *= 2
-    return segments
 
 
 def segment_views(
@@ -246,27 +202,21 @@ def _make_split_verify(builder: Any) -> SplitKeyVerify | None:
         return None
     # The split kernel's scratch has a row per query token for seq_threshold_3D tokens.
     capacity = min(builder.seq_threshold_3D, SPLIT_VERIFY_MAX_TOKENS)
-    segments = verify_segments_setting()
-    shape = None
-    if segments == 0:
-        sms = torch.cuda.get_device_properties(builder.device).multi_processor_count
-        shape = SplitShape(builder.num_heads_q, builder.num_heads_kv, sms)
-    return SplitKeyVerify(1 + spec.num_speculative_tokens, capacity, segments, shape)
+    return SplitKeyVerify(1 + spec.num_speculative_tokens, capacity, verify_segments_setting())
 
 
 def verify_segments_setting() -> int | None:
-    """``GEMMA4_SPEC_VERIFY_SEGMENTS`` read: None (unset: vLLM's), 0 (``auto``) or a power of
+    """``GEMMA4_SPEC_VERIFY_SEGMENTS`` read: None where unset (vLLM's segments), else a power of
     two from 1 to 16."""
-    value = os.environ.get(SEGMENTS_ENV, "").strip().lower()
+    value = os.environ.get(SEGMENTS_ENV, "").strip()
     if not value:
         return None
-    if value == AUTO_SEGMENTS:
-        return 0
-    if value.isdigit() and int(value) in (1, 2, 4, 8, 16):
+    if value.isdigit() and int(value) in SEGMENT_CHOICES:
         return int(value)
     raise UnsupportedConfigurationError(
-        f"{SEGMENTS_ENV}={value!r}: expected a power of two from 1 to 16 (softmax segments "
-        f"of verification batches) or {AUTO_SEGMENTS!r}; unset it for vLLM's 16."
+        f"{SEGMENTS_ENV}={value!r}: expected one of {', '.join(map(str, SEGMENT_CHOICES))} "
+        "(softmax segments of verification batches on the split kernel); unset it for "
+        "vLLM's 16."
     )
 
 
