@@ -32,15 +32,14 @@ class PagedAttention:
         self.key_cache, self.value_cache, self.window = key_cache, value_cache, window
         head_dim, kv_heads, device = key_cache.shape[3], key_cache.shape[2], key_cache.device
         padded = 1 << (head_dim - 1).bit_length()
-        rows = scratch_rows
         self._scratch = dict(
             seq_threshold_3D=THRESHOLD_3D,
             num_par_softmax_segments=SEGMENTS,
             softmax_segm_output=torch.empty(
-                rows, num_heads, SEGMENTS, padded, dtype=torch.float32, device=device
+                scratch_rows, num_heads, SEGMENTS, padded, dtype=torch.float32, device=device
             ),
-            softmax_segm_max=torch.empty(rows, num_heads, SEGMENTS, device=device),
-            softmax_segm_expsum=torch.empty(rows, num_heads, SEGMENTS, device=device),
+            softmax_segm_max=torch.empty(scratch_rows, num_heads, SEGMENTS, device=device),
+            softmax_segm_expsum=torch.empty(scratch_rows, num_heads, SEGMENTS, device=device),
         )
         self._scale = torch.ones(1, device=device).expand(THRESHOLD_3D, kv_heads)
 
