@@ -9,7 +9,8 @@ E2B-like layer: 8 query heads, 1 KV head, head size 256 (sliding window 512) or 
 attention), block size 16, bf16. Each variant in a CUDA graph, cold L2 (``centroid_argmax``'s
 harness), median of ``--reps`` replays, in us. ``split s=N``: the split kernel with N softmax
 segments instead of vLLM's 16 (``GEMMA4_SPEC_VERIFY_SEGMENTS``; ``-``/NaN where its scratch
-cannot hold the batch).
+cannot hold the batch); ``ours``: ``ops/split_attention_triton.py`` (segments over the keys the
+request attends, picked from their count, summed by the last segment program: one launch).
 
     python benchmarks/verify_attention.py --batch 1,8,32 --context 256,2048 --k 3 \
         --segments 8,4,2 --json out.json
@@ -28,6 +29,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from centroid_argmax import _time_cuda  # noqa: E402
 
+from gemma4_spec.ops.split_attention_triton import (  # noqa: E402
+    prepare_split_attention,
+    split_attention,
+    split_attention_scratch,
+)
 from gemma4_spec.testing.triton_attention import (  # noqa: E402
     SEGMENTS,
     THRESHOLD_3D,
@@ -68,11 +74,21 @@ def _measure(
             flush,
         )
 
+    ours_scratch = split_attention_scratch(batch * q_len, HEADS, head_dim, device)
+    prepare_split_attention(device)
+
+    def ours() -> torch.Tensor:
+        return split_attention(
+            verify_q, cache, cache, table, seq_lens, starts, q_len, head_dim**-0.5, window,
+            scratch=ours_scratch,
+        )  # fmt: skip
+
     return {
         "vllm_2d": _time_cuda(
             lambda: attend(verify_q, starts, q_len, seq_lens, table), reps, flush
         ),
         "split_3d": split(SEGMENTS),
+        "ours": _time_cuda(ours, reps, flush),
         **{f"split_3d_s{n}": split(n) for n in segment_counts if n != SEGMENTS},
         "decode": _time_cuda(
             lambda: attend(verify_q[:batch], decode_starts, 1, seq_lens, table), reps, flush
@@ -100,7 +116,7 @@ def main() -> None:
     rows = []
     extra = "".join(f"{f'split s={n}':>10s}" for n in counts)
     print(
-        f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'split 3D':>8s}{extra} "
+        f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'split 3D':>8s}{extra} {'ours':>8s} "
         f"{'decode':>8s} {'dec. 2D':>8s}"
     )
     for name, (head_dim, window) in LAYERS.items():
@@ -111,7 +127,7 @@ def main() -> None:
                 extra = "".join(f"{times[f'split_3d_s{n}']:10.1f}" for n in counts)
                 print(
                     f"{name:12s} {batch:3d} {context:5d} {times['vllm_2d']:8.1f} "
-                    f"{times['split_3d']:8.1f}{extra} {times['decode']:8.1f} "
+                    f"{times['split_3d']:8.1f}{extra} {times['ours']:8.1f} {times['decode']:8.1f} "
                     f"{times['decode_2d']:8.1f}",
                     flush=True,
                 )

@@ -1,0 +1,314 @@
+"""The Triton kernel of ``split_attention_reference`` (``ops/split_attention.py``).
+
+``_split_attention_kernel``, grid ``(R, Hkv, MAX_SEGMENTS)``: program ``(r, h, s)`` holds all of
+request ``r``'s query tokens for the ``Hq / Hkv`` query heads of KV head ``h`` as the rows of one
+block (``BLOCK_M`` >= q_len x group, at least 16, the smallest ``tl.dot`` side). The keys some
+row attends are ``[lo, seq_len)``, ``lo`` the first token's window start (0 without a window);
+they are cut into ``segments = min(MAX_SEGMENTS, ceil(keys / MIN_KEYS))`` runs of whole
+``TILE``s, and program ``s`` walks run ``s`` with an online softmax (programs past
+``segments`` return at once). With one segment the program writes the output. With several,
+each writes its rows' running maximum, sum and float32 weighted values to scratch, and the
+program that brings the request and head's last segment (an atomic counter) combines them in
+segment order (the result does not depend on which came last), writes the output and sets the
+counter back to zero for the next launch or graph replay: one launch where vLLM's split
+kernel takes two.
+
+Counters are per device (``prepare_split_attention``, made outside any graph capture);
+launches sharing them must not run concurrently on different streams. Under Triton's CPU
+interpreter (``TRITON_INTERPRET=1``) programs run one after another on CPU tensors, so the
+last-arriving combine still holds.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _capturing, _dot_precision
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+TILE = 32  # keys per step of a program's walk
+MIN_KEYS = 64  # keys per segment, at least, before a request's keys are split further
+MAX_SEGMENTS = 16
+COUNTER_CAPACITY = 8192  # requests x KV heads of one launch
+
+
+class SplitAttentionConfig(NamedTuple):
+    """Block sizes of one launch."""
+
+    block_m: int  # rows: query tokens x query heads of one KV head, a power of two >= 16
+    tile: int
+    min_keys: int
+    max_segments: int
+    num_warps: int
+    num_stages: int
+
+
+def split_attention_config(max_query_len: int, group: int, head_dim: int) -> SplitAttentionConfig:
+    block_m = max(16, triton.next_power_of_2(max_query_len * group))
+    # The float32 accumulator is block_m x head floats a program: more warps to hold a large one.
+    wide = block_m * triton.next_power_of_2(head_dim) >= 8192
+    return SplitAttentionConfig(
+        block_m, TILE, MIN_KEYS, MAX_SEGMENTS, num_warps=8 if wide else 4, num_stages=2
+    )
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+
+
+def prepare_split_attention(device: torch.device | str) -> torch.Tensor:
+    """The device's (request, KV head) counters, zeroed and self-resetting, made once."""
+    key = str(torch.device(device))
+    counters = _COUNTERS.get(key)
+    if counters is None:
+        if _capturing(torch.device(device)):
+            raise RuntimeError(
+                "split_attention: first launch on this device inside graph capture; call "
+                "prepare_split_attention(device) before capturing"
+            )
+        counters = torch.zeros(COUNTER_CAPACITY, dtype=torch.int32, device=device)
+        _COUNTERS[key] = counters
+    return counters
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _split_attention_kernel(
+        q_ptr,  # [T, Hq, D]
+        k_ptr,  # [blocks, block_size, Hkv, D]
+        v_ptr,
+        out_ptr,  # [T, Hq, D]
+        table_ptr,  # [R, max blocks]
+        seq_lens_ptr,  # [R]
+        starts_ptr,  # [R + 1]
+        acc_ptr,  # [T, Hq, MAX_SEGMENTS, D_PAD] fp32 scratch
+        max_ptr,  # [T, Hq, MAX_SEGMENTS] fp32 scratch
+        sum_ptr,  # [T, Hq, MAX_SEGMENTS] fp32 scratch
+        counter_ptr,  # [R * Hkv] int32, zero on entry and on exit
+        scale,
+        softcap,
+        window,
+        block_size,
+        stride_qt,
+        stride_qh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        stride_table,
+        NUM_HEADS: tl.constexpr,  # Hq
+        GROUP: tl.constexpr,  # Hq / Hkv
+        HEAD: tl.constexpr,  # D
+        HEAD_PAD: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        TILE: tl.constexpr,
+        MIN_KEYS: tl.constexpr,
+        MAX_SEGMENTS: tl.constexpr,
+        SOFTCAP: tl.constexpr,
+        WINDOWED: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        s = tl.program_id(2)
+        first = tl.load(starts_ptr + r)
+        q_len = tl.load(starts_ptr + r + 1) - first
+        seq_len = tl.load(seq_lens_ptr + r)
+        context = seq_len - q_len
+        lo = 0
+        if WINDOWED:
+            lo = tl.maximum(context + 1 - window, 0)
+        n_keys = seq_len - lo
+        segments = tl.minimum(tl.maximum((n_keys + MIN_KEYS - 1) // MIN_KEYS, 1), MAX_SEGMENTS)
+        if (q_len > 0) & (s < segments):
+            per = (n_keys + segments - 1) // segments
+            per = (per + TILE - 1) // TILE * TILE
+            k_begin = lo + s * per
+            k_end = tl.minimum(seq_len, k_begin + per)
+
+            offs_m = tl.arange(0, BLOCK_M)
+            token = offs_m // GROUP
+            head = h * GROUP + offs_m % GROUP
+            row_ok = token < q_len
+            offs_d = tl.arange(0, HEAD_PAD)
+            d_ok = offs_d < HEAD
+            row_at = (first + token).to(tl.int64)
+            q = tl.load(
+                q_ptr + row_at[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
+                q = q.to(tl.float32)
+            position = context + token
+
+            m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+            table_row = table_ptr + r.to(tl.int64) * stride_table
+            for start in range(k_begin, k_end, TILE):
+                offs_n = start + tl.arange(0, TILE)
+                n_ok = offs_n < k_end
+                block = tl.load(table_row + offs_n // block_size, mask=n_ok, other=0).to(tl.int64)
+                slot = offs_n % block_size
+                kv_ok = n_ok[None, :] & d_ok[:, None]
+                k = tl.load(
+                    k_ptr
+                    + block[None, :] * stride_kb
+                    + slot[None, :] * stride_ks
+                    + h * stride_kh
+                    + offs_d[:, None],
+                    mask=kv_ok,
+                    other=0.0,
+                )  # [HEAD_PAD, TILE]
+                v = tl.load(
+                    v_ptr
+                    + block[:, None] * stride_vb
+                    + slot[:, None] * stride_vs
+                    + h * stride_vh
+                    + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )  # [TILE, HEAD_PAD]
+                if UPCAST:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                scores = tl.dot(q, k, input_precision=PRECISION) * scale
+                if SOFTCAP:
+                    # cap * tanh(x / cap), tanh through exp: 1 - 2 / (exp(2y) + 1)
+                    scores = softcap * (1.0 - 2.0 / (tl.exp(2.0 * scores / softcap) + 1.0))
+                allowed = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= position[:, None])
+                if WINDOWED:
+                    allowed = allowed & (offs_n[None, :] > position[:, None] - window)
+                scores = tl.where(allowed, scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(scores - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
+
+            out_at = out_ptr + row_at[:, None] * stride_ot + head[:, None] * stride_oh
+            out_ok = row_ok[:, None] & d_ok[None, :]
+            if segments == 1:
+                total = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # no keys: zeros
+                tl.store(out_at + offs_d[None, :], total.to(out_ptr.dtype.element_ty), mask=out_ok)
+            else:
+                part = (row_at * NUM_HEADS + head) * MAX_SEGMENTS  # [BLOCK_M] first segment
+                tl.store(max_ptr + part + s, m_i, mask=row_ok)
+                tl.store(sum_ptr + part + s, l_i, mask=row_ok)
+                tl.store(
+                    acc_ptr + (part + s)[:, None] * HEAD_PAD + offs_d[None, :],
+                    acc,
+                    mask=row_ok[:, None],
+                )
+                tl.debug_barrier()  # every thread's stores before the (releasing) counter update
+                counter = counter_ptr + r * (NUM_HEADS // GROUP) + h
+                done = tl.atomic_add(counter, 1, sem="acq_rel")
+                if done == segments - 1:
+                    # The last segment: combine all of them (written by other programs: read
+                    # through L2, ".cg"), in segment order.
+                    tl.debug_barrier()
+                    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                    for s2 in range(0, segments):
+                        m_s = tl.load(
+                            max_ptr + part + s2, mask=row_ok, other=0.0, cache_modifier=".cg"
+                        )
+                        top = tl.maximum(top, m_s)
+                    top = tl.where(top == float("-inf"), 0.0, top)
+                    weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    total = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+                    for s2 in range(0, segments):
+                        m_s = tl.load(
+                            max_ptr + part + s2, mask=row_ok, other=0.0, cache_modifier=".cg"
+                        )
+                        l_s = tl.load(
+                            sum_ptr + part + s2, mask=row_ok, other=0.0, cache_modifier=".cg"
+                        )
+                        a_s = tl.load(
+                            acc_ptr + (part + s2)[:, None] * HEAD_PAD + offs_d[None, :],
+                            mask=row_ok[:, None],
+                            other=0.0,
+                            cache_modifier=".cg",
+                        )
+                        factor = tl.exp(m_s - top)
+                        weight_sum += l_s * factor
+                        total += a_s * factor[:, None]
+                    total = total / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
+                    tl.store(
+                        out_at + offs_d[None, :], total.to(out_ptr.dtype.element_ty), mask=out_ok
+                    )
+                    tl.store(counter, 0)
+
+
+class SplitAttentionScratch(NamedTuple):
+    """Float32 partial results of the segments: weighted values, maxima, sums."""
+
+    values: torch.Tensor  # [T, Hq, MAX_SEGMENTS, D_PAD]
+    maxima: torch.Tensor  # [T, Hq, MAX_SEGMENTS]
+    sums: torch.Tensor
+
+
+def split_attention_scratch(
+    tokens: int, heads: int, head_dim: int, device: torch.device
+) -> SplitAttentionScratch:
+    """Scratch for launches of up to ``tokens`` query tokens (allocate once, outside capture)."""
+    padded = triton.next_power_of_2(head_dim)
+    return SplitAttentionScratch(
+        torch.empty(tokens, heads, MAX_SEGMENTS, padded, dtype=torch.float32, device=device),
+        torch.empty(tokens, heads, MAX_SEGMENTS, dtype=torch.float32, device=device),
+        torch.empty(tokens, heads, MAX_SEGMENTS, dtype=torch.float32, device=device),
+    )
+
+
+def split_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [R, max blocks] int32
+    seq_lens: torch.Tensor,  # [R] int32
+    starts: torch.Tensor,  # [R + 1] int32
+    max_query_len: int,
+    scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    out: torch.Tensor | None = None,
+    scratch: SplitAttentionScratch | None = None,
+) -> torch.Tensor:
+    """``split_attention_reference`` in one launch (module docstring). ``max_query_len`` bounds
+    every request's query tokens (the rows of a program's block)."""
+    tokens, heads, head_dim = q.shape
+    requests, kv_heads = seq_lens.shape[0], key_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.empty_like(q) if out is None else out
+    if requests * kv_heads > COUNTER_CAPACITY:
+        raise ValueError(f"split_attention: {requests} x {kv_heads} programs exceed the counters")
+    counters = prepare_split_attention(q.device)
+    if scratch is None:
+        scratch = split_attention_scratch(tokens, heads, head_dim, q.device)
+    cfg = split_attention_config(max_query_len, group, head_dim)
+    precision, upcast = _dot_precision(q)
+    grid = (requests, kv_heads, cfg.max_segments)
+    _split_attention_kernel[grid](
+        q, key_cache, value_cache, out, block_table, seq_lens, starts, scratch.values,
+        scratch.maxima, scratch.sums, counters, scale, softcap, window, key_cache.shape[1],
+        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), out.stride(0),
+        out.stride(1), block_table.stride(0), NUM_HEADS=heads, GROUP=group, HEAD=head_dim,
+        HEAD_PAD=scratch.values.shape[-1], BLOCK_M=cfg.block_m, TILE=cfg.tile,
+        MIN_KEYS=cfg.min_keys, MAX_SEGMENTS=cfg.max_segments, SOFTCAP=softcap > 0,
+        WINDOWED=window > 0, PRECISION=precision, UPCAST=upcast, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,93 @@
+"""Our split verification attention (``ops/split_attention*.py``) against its torch reference:
+full and sliding-window layers, one and several segments, grouped heads, soft-capping, requests
+of different lengths, padded requests, and the counters back at zero after every launch.
+
+On CPU the kernel runs at small sizes under Triton's interpreter, in a subprocess; on CUDA at
+E2B's head sizes too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
+from gemma4_spec.ops.split_attention import split_attention_reference
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_TRITON),
+    reason="needs a CUDA GPU and triton (the CPU side runs under the interpreter)",
+)
+# (requests, query tokens each, head size, query heads, KV heads, longest, window, softcap)
+SMALL_CASES = (
+    (3, 4, 32, 8, 1, 300, 0, 0.0),  # several segments
+    (3, 4, 32, 8, 1, 40, 0, 0.0),  # one segment
+    (2, 3, 24, 4, 2, 600, 200, 0.0),  # window over several segments; head size not 2^n
+    (2, 3, 32, 4, 2, 200, 50, 5.0),  # window shorter than the context, soft-cap
+    (4, 1, 32, 8, 1, 150, 0, 0.0),  # one query token a request (a decode step)
+)
+E2B_CASES = (
+    (32, 4, 256, 8, 1, 400, 512, 0.0),
+    (16, 4, 256, 8, 1, 2100, 512, 0.0),
+    (32, 3, 512, 8, 1, 2100, 0, 0.0),
+    (1, 4, 512, 8, 1, 300, 0, 0.0),
+)
+
+
+def _batch(case: tuple, dtype: torch.dtype, device: str, seed: int, block: int = 16) -> tuple:
+    requests, q_len, head_dim, heads, kv_heads, longest, window, softcap = case
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = torch.randint(q_len, longest, (requests,), generator=gen)
+    per_request = -(-longest // block)
+    blocks = requests * per_request + 1
+    table = (torch.randperm(blocks - 1, generator=gen) + 1).view(requests, per_request)
+    # A padded request at the end: no query tokens, no keys (as a padded graph batch has).
+    seq_lens = torch.cat([seq_lens, seq_lens.new_zeros(1)])
+    table = torch.cat([table, table.new_zeros(1, per_request)])
+    starts = torch.cat([torch.arange(requests + 1) * q_len, torch.tensor([requests * q_len])])
+    key_cache = torch.randn(blocks, block, kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(blocks, block, kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(requests * q_len, heads, head_dim, generator=gen).to(dtype)
+    tensors = [t.to(device) for t in (q, key_cache, value_cache)]
+    ints = [t.int().to(device) for t in (table, seq_lens, starts)]
+    return (*tensors, *ints, q_len, head_dim**-0.5, window, softcap)
+
+
+def _check(cases: tuple, dtypes: tuple, device: str) -> None:
+    from gemma4_spec.ops.split_attention_triton import _COUNTERS, split_attention
+
+    for i, case in enumerate(cases):
+        for dtype in dtypes:
+            q, k, v, table, seq_lens, starts, q_len, scale, window, softcap = _batch(
+                case, dtype, device, seed=i
+            )
+            want = split_attention_reference(
+                q, k, v, table, seq_lens, starts, scale, window, softcap
+            )
+            got = split_attention(q, k, v, table, seq_lens, starts, q_len, scale, window, softcap)
+            # float32: the same sums in another order (TF32 products on CUDA); bfloat16: one
+            # rounding of the output apart.
+            tol = (1e-5 if device == "cpu" else 2e-3) if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=f"case {case} {dtype}")
+            # Control: half the window (or one of 2 keys where there was none) is another
+            # attention, and the comparison sees it.
+            other = split_attention_reference(
+                q, k, v, table, seq_lens, starts, scale, window // 2 if window else 2, softcap
+            )
+            assert (other.float() - got.float()).abs().max() > 10 * tol
+            for counters in _COUNTERS.values():
+                assert not counters.any(), counters.nonzero().tolist()
+
+
+def _check_kernel_against_reference(device: str) -> None:
+    _check(SMALL_CASES, (torch.float32, torch.bfloat16), device)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA tests cover it)")
+def test_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
+    check_under_interpreter("test_split_attention", "_check_kernel_against_reference")
+
+
+@needs_cuda
+def test_kernel_matches_reference_cuda() -> None:
+    _check(SMALL_CASES + E2B_CASES, (torch.float32, torch.bfloat16), "cuda")
