@@ -125,6 +125,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_VERIFY_SEGMENTS": "8"},
         "spec": {},
     },
+    # Verification attention through our split kernel (ops/split_attention_triton.py,
+    # GEMMA4_SPEC_OWN_SPLIT_ATTENTION=1, experimental): segments over the attended keys, their
+    # count from the key count, one launch a layer.
+    "ours-V2-ownsplit": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "1"},
+        "spec": {},
+    },
     "ours-V2-seg4": {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_VERIFY_SEGMENTS": "4"},
         "spec": {},

@@ -1,5 +1,5 @@
 """The plugin's environment switches. Every path that has one is on unless its variable is "0"
-(the README lists them); the one experimental path is off unless its variable is "1"."""
+(the README lists them); experimental paths are off unless their variable is "1"."""
 
 from __future__ import annotations
 

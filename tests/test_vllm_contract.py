@@ -856,6 +856,23 @@ CONTRACTS: tuple[Contract, ...] = (
         ),
     ),
     Check("cascade flag where flat verify runs", _cascade_flag_where_flat_verify_runs),
+    # patch/patch_split_attention.py: the forward we wrap (the metadata sixth) and the kernel
+    # call it makes by the module's name, with the keywords we read.
+    Params(
+        "vllm.v1.attention.backends.triton_attn:TritonAttentionImpl.forward",
+        positional=("layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"),
+    ),
+    Params(
+        "vllm.v1.attention.backends.triton_attn:unified_attention",
+        keywords=(
+            *("q", "k", "v", "out", "cu_seqlens_q", "max_seqlen_q", "seqused_k", "max_seqlen_k"),
+            *("softmax_scale", "causal", "window_size", "block_table", "softcap"),
+            *("q_descale", "k_descale", "v_descale", "alibi_slopes", "sinks", "output_scale"),
+            *("mm_prefix_range", "rswa_prefix_lens", "k_scale_cache", "v_scale_cache"),
+            *("chunk_lookback", "softmax_segm_output", "softmax_segm_max"),
+            "softmax_segm_expsum",
+        ),
+    ),
 )
 
 

@@ -48,12 +48,16 @@ class SplitAttentionConfig(NamedTuple):
     num_stages: int
 
 
-def split_attention_config(max_query_len: int, group: int, head_dim: int) -> SplitAttentionConfig:
+def split_attention_config(
+    max_query_len: int, group: int, head_dim: int, max_segments: int = MAX_SEGMENTS
+) -> SplitAttentionConfig:
+    """Sizes for requests of up to ``max_query_len`` query tokens and ``max_segments`` (a
+    power of two: the scratch's segments per row)."""
     block_m = max(16, triton.next_power_of_2(max_query_len * group))
     # The float32 accumulator is block_m x head floats a program: more warps to hold a large one.
     wide = block_m * triton.next_power_of_2(head_dim) >= 8192
     return SplitAttentionConfig(
-        block_m, TILE, MIN_KEYS, MAX_SEGMENTS, num_warps=8 if wide else 4, num_stages=2
+        block_m, TILE, MIN_KEYS, max_segments, num_warps=8 if wide else 4, num_stages=2
     )
 
 
@@ -297,7 +301,7 @@ def split_attention(
     counters = prepare_split_attention(q.device)
     if scratch is None:
         scratch = split_attention_scratch(tokens, heads, head_dim, q.device)
-    cfg = split_attention_config(max_query_len, group, head_dim)
+    cfg = split_attention_config(max_query_len, group, head_dim, scratch.values.shape[2])
     precision, upcast = _dot_precision(q)
     grid = (requests, kv_heads, cfg.max_segments)
     _split_attention_kernel[grid](

@@ -55,6 +55,7 @@ import torch
 from gemma4_spec.compat import flat_verify_supported
 from gemma4_spec.log import get_logger
 from gemma4_spec.patch.hooks import is_ours, ours
+from gemma4_spec.patch.patch_split_attention import OWN_SPLIT_ATTR, own_split_on
 from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
 from gemma4_spec.switches import turned_off
 from gemma4_spec.validation import UnsupportedConfigurationError
@@ -132,6 +133,8 @@ class SplitKeyVerify:
             _log_once()
             self.rewrites += 1
             metadata.max_query_len = 1
+            if own_split_on():  # patch_split_attention: our kernel runs it
+                setattr(metadata, OWN_SPLIT_ATTR, self.max_query_len)
             if segments is not None and segments != metadata.num_par_softmax_segments:
                 views = segment_views(
                     metadata.softmax_segm_output,
@@ -202,6 +205,10 @@ def _make_split_verify(builder: Any) -> SplitKeyVerify | None:
         return None
     # The split kernel's scratch has a row per query token for seq_threshold_3D tokens.
     capacity = min(builder.seq_threshold_3D, SPLIT_VERIFY_MAX_TOKENS)
+    if own_split_on():
+        from gemma4_spec.ops.split_attention_triton import prepare_split_attention
+
+        prepare_split_attention(builder.device)  # its counters, before any graph capture
     return SplitKeyVerify(1 + spec.num_speculative_tokens, capacity, verify_segments_setting())
 
 

@@ -1,0 +1,122 @@
+"""Verification attention through our split kernel (``ops/split_attention_triton.py``), opt-in.
+
+Experimental: on with ``GEMMA4_SPEC_OWN_SPLIT_ATTENTION=1``, until the GPU benchmarks say
+whether it earns its place (``benchmarks/verify_attention.py``'s ``ours`` column, then the
+``ours-V2-ownsplit`` engine of ``benchmarks/real_work.py``).
+
+Wraps, in ``vllm.v1.attention.backends.triton_attn``: ``TritonAttentionImpl.forward`` (to
+know, for the duration of one layer's call, which batch's metadata it runs) and the module's
+``unified_attention`` (the kernel call that ``forward`` makes). A batch that
+``patch_triton_attn`` rewrote as a verification batch carries ``OWN_SPLIT_ATTR`` (its longest
+request's query tokens); its attention call goes to ``split_attention``, with vLLM's own
+split-kernel scratch (the same layout: query token x query head x segment x head size) and
+the same arguments: queries, paged caches, block table, key counts, query offsets, scale,
+window, soft-cap. Everything else goes to vLLM's kernel as it was: batches without the mark,
+and calls with what our kernel does not do (a quantized KV cache, ALiBi, attention sinks,
+query or output scales, multimodal prefixes, a non-causal mask, chunked sliding windows).
+
+Under CUDA graphs the choice is taken at capture, from the same batch mark as the rewrite's.
+vLLM versions: ``compat.FLAT_VERIFY_VLLM`` (0.26), as the rewrite.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+from types import ModuleType
+from typing import Any
+
+from gemma4_spec.patch.hooks import is_ours, ours
+from gemma4_spec.switches import turned_on
+
+OWN_SPLIT_ENV = "GEMMA4_SPEC_OWN_SPLIT_ATTENTION"
+# Set by patch_triton_attn on a rewritten verification batch's metadata: its longest
+# request's query tokens (the rows of one program of our kernel).
+OWN_SPLIT_ATTR = "_gemma4_spec_own_split"
+# unified_attention's arguments that our kernel leaves to vLLM's when they are set.
+UNSUPPORTED_ARGS = (
+    "alibi_slopes",
+    "q_descale",
+    "sinks",
+    "qq_bias",
+    "output_scale",
+    "mm_prefix_range",
+    "rswa_prefix_lens",
+    "k_scale_cache",
+    "v_scale_cache",
+)
+
+_metadata: contextvars.ContextVar[Any] = contextvars.ContextVar("gemma4_spec_attention_metadata")
+
+
+def own_split_on() -> bool:
+    return turned_on(OWN_SPLIT_ENV)
+
+
+def apply(module: ModuleType) -> None:
+    if not own_split_on():
+        return
+    impl = getattr(module, "TritonAttentionImpl", None)
+    if impl is None or is_ours(impl.forward):
+        return
+    original_forward = impl.forward
+    original_attention = module.unified_attention
+
+    @functools.wraps(original_forward)
+    def forward(self: Any, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
+                attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        token = _metadata.set(attn_metadata)
+        try:
+            return original_forward(
+                self, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs
+            )
+        finally:
+            _metadata.reset(token)
+
+    @functools.wraps(original_attention)
+    def unified_attention(*args: Any, **kwargs: Any) -> Any:
+        rows = getattr(_metadata.get(None), OWN_SPLIT_ATTR, None)
+        if args or rows is None or not supported(kwargs):
+            return original_attention(*args, **kwargs)
+        return run_split_attention(kwargs, rows)
+
+    impl.forward = ours(forward)
+    module.unified_attention = ours(unified_attention)
+
+
+def supported(kwargs: dict[str, Any]) -> bool:
+    """Whether our kernel computes this ``unified_attention`` call."""
+    q, k = kwargs["q"], kwargs["k"]
+    window = kwargs.get("window_size") or (-1, -1)
+    return (
+        k.dtype == q.dtype
+        and kwargs.get("causal", True) is True
+        and all(kwargs.get(name) is None for name in UNSUPPORTED_ARGS)
+        and kwargs.get("chunk_lookback", -1) in (-1, None)
+        and window[1] in (0, -1)
+        and kwargs.get("softmax_segm_output") is not None
+        and kwargs["softmax_segm_output"].shape[0] >= q.shape[0]
+    )
+
+
+def run_split_attention(kwargs: dict[str, Any], rows: int) -> Any:
+    from gemma4_spec.ops.split_attention_triton import SplitAttentionScratch, split_attention
+
+    left = (kwargs.get("window_size") or (-1, -1))[0]
+    scratch = SplitAttentionScratch(
+        kwargs["softmax_segm_output"], kwargs["softmax_segm_max"], kwargs["softmax_segm_expsum"]
+    )
+    return split_attention(
+        kwargs["q"],
+        kwargs["k"],
+        kwargs["v"],
+        kwargs["block_table"],
+        kwargs["seqused_k"],
+        kwargs["cu_seqlens_q"],
+        rows,
+        kwargs["softmax_scale"],
+        window=left + 1 if left >= 0 else 0,
+        softcap=kwargs.get("softcap") or 0.0,
+        out=kwargs["out"],
+        scratch=scratch,
+    )

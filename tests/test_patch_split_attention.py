@@ -1,0 +1,161 @@
+"""``patch/patch_split_attention.py``: which attention calls go to our split kernel, and that a
+call as vLLM's Triton backend makes it (packed K/V cache views, window and scratch as vLLM
+passes them) computes the reference attention (CPU: under Triton's interpreter, in a
+subprocess)."""
+
+from __future__ import annotations
+
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
+from gemma4_spec.ops.split_attention import split_attention_reference
+from gemma4_spec.patch import patch_split_attention, patch_triton_attn
+from gemma4_spec.patch.patch_split_attention import OWN_SPLIT_ATTR, OWN_SPLIT_ENV
+
+
+def _vllm_call(device: str, dtype: torch.dtype = torch.float32, window: int = 40) -> dict:
+    """unified_attention's keyword arguments as vLLM 0.26's TritonAttentionImpl.forward passes
+    them for a verification batch (3 requests of 4 query tokens, 8 query heads on 1 KV head,
+    then a padded request), with K and V views of one packed cache."""
+    gen = torch.Generator().manual_seed(3)
+    requests, q_len, heads, head, block, per_request = 3, 4, 8, 32, 16, 12
+    blocks = requests * per_request + 1
+    packed = torch.randn(blocks, 1, block, 2 * head, generator=gen).to(dtype).to(device)
+    key_cache, value_cache = packed.transpose(1, 2).split(head, dim=-1)
+    table = torch.arange(1, blocks, dtype=torch.int32).view(requests, per_request)
+    table = torch.cat([table, table.new_zeros(1, per_request)]).to(device)
+    seq_lens = torch.tensor([150, 37, 190, 0], dtype=torch.int32, device=device)
+    starts = torch.tensor([0, 4, 8, 12, 12], dtype=torch.int32, device=device)
+    q = torch.randn(requests * q_len + 2, heads, head, generator=gen).to(dtype).to(device)
+    rows, padded = 128, 32
+    return dict(
+        q=q, k=key_cache, v=value_cache, out=torch.full_like(q, float("nan")),
+        cu_seqlens_q=starts, max_seqlen_q=1, seqused_k=seq_lens, max_seqlen_k=190,
+        softmax_scale=head**-0.5, causal=True, alibi_slopes=None, use_alibi_sqrt=False,
+        window_size=(window - 1, 0) if window else (-1, -1), block_table=table, softcap=0,
+        q_descale=None, k_descale=None, v_descale=None, seq_threshold_3D=128,
+        num_par_softmax_segments=16,
+        softmax_segm_output=torch.empty(rows, heads, 16, padded, device=device),
+        softmax_segm_max=torch.empty(rows, heads, 16, device=device),
+        softmax_segm_expsum=torch.empty(rows, heads, 16, device=device),
+        sinks=None, output_scale=None, mm_prefix_range=None, rswa_prefix_lens=None,
+        rswa_window=None, kv_quant_mode=None, k_scale_cache=None, v_scale_cache=None,
+        chunk_lookback=-1, use_td=False,
+    )  # fmt: skip
+
+
+def _check_vllm_call_mapping(device: str) -> None:
+    for window in (0, 40):
+        kwargs = _vllm_call(device, window=window)
+        out = patch_split_attention.run_split_attention(kwargs, rows=4)
+        real = 12  # the padding tokens' rows are not written
+        want = split_attention_reference(
+            kwargs["q"], kwargs["k"], kwargs["v"], kwargs["block_table"], kwargs["seqused_k"],
+            kwargs["cu_seqlens_q"], kwargs["softmax_scale"], window,
+        )  # fmt: skip
+        assert out is kwargs["out"]
+        torch.testing.assert_close(out[:real], want[:real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA test covers it)")
+def test_vllm_call_computes_the_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
+    check_under_interpreter("test_patch_split_attention", "_check_vllm_call_mapping")
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA")
+def test_vllm_call_computes_the_reference_cuda() -> None:
+    _check_vllm_call_mapping("cuda")
+
+
+def _fake_backend() -> tuple[ModuleType, list[str]]:
+    """A module with TritonAttentionImpl.forward calling the module's unified_attention, as
+    vLLM's does; ``calls`` records which kernel ran."""
+    calls: list[str] = []
+    module = ModuleType("fake_triton_attn")
+
+    def unified_attention(**kwargs: Any) -> str:
+        calls.append("vllm")
+        return "vllm"
+
+    class TritonAttentionImpl:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, **kw):  # type: ignore[no-untyped-def]
+            return module.unified_attention(**self.kwargs)
+
+    module.unified_attention = unified_attention  # type: ignore[attr-defined]
+    module.TritonAttentionImpl = TritonAttentionImpl  # type: ignore[attr-defined]
+    return module, calls
+
+
+@pytest.fixture
+def routed(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, list[str]]:
+    monkeypatch.setenv(OWN_SPLIT_ENV, "1")
+    module, calls = _fake_backend()
+    monkeypatch.setattr(
+        patch_split_attention,
+        "run_split_attention",
+        lambda kwargs, rows: calls.append(f"ours {rows}") or "ours",
+    )
+    patch_split_attention.apply(module)
+    return module, calls
+
+
+def _forward(module: ModuleType, metadata: Any, **changes: Any) -> Any:
+    impl = module.TritonAttentionImpl()
+    impl.kwargs = {**_vllm_call("cpu"), **changes}
+    return impl.forward(None, None, None, None, None, metadata, None)
+
+
+def test_marked_verification_batches_run_our_kernel(routed: tuple) -> None:
+    module, calls = routed
+    assert _forward(module, SimpleNamespace(**{OWN_SPLIT_ATTR: 4})) == "ours"
+    assert _forward(module, SimpleNamespace()) == "vllm"  # not a rewritten verification batch
+    assert calls == ["ours 4", "vllm"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"alibi_slopes": torch.ones(8)},
+        {"sinks": torch.ones(8)},
+        {"q_descale": torch.ones(1)},
+        {"output_scale": torch.ones(1)},
+        {"k": torch.zeros(2, 16, 1, 32, dtype=torch.uint8)},  # a quantized cache
+        {"causal": False},
+        {"chunk_lookback": 1},
+        {"softmax_segm_output": None},
+    ],
+)
+def test_what_our_kernel_does_not_do_stays_on_vllms(routed: tuple, change: dict) -> None:
+    module, calls = routed
+    assert _forward(module, SimpleNamespace(**{OWN_SPLIT_ATTR: 4}), **change) == "vllm"
+
+
+def test_off_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(OWN_SPLIT_ENV, raising=False)
+    module, calls = _fake_backend()
+    original = module.unified_attention
+    patch_split_attention.apply(module)
+    assert module.unified_attention is original
+    assert _forward(module, SimpleNamespace(**{OWN_SPLIT_ATTR: 4})) == "vllm"
+
+
+def test_apply_wraps_once(routed: tuple) -> None:
+    module, _ = routed
+    wrapped = module.unified_attention
+    patch_split_attention.apply(module)
+    assert module.unified_attention is wrapped
+
+
+def test_the_rewrite_marks_verification_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_patch_triton_attn import _common, _verification_batch
+
+    split = patch_triton_attn.SplitKeyVerify(max_query_len=3, capacity=16)
+    assert not hasattr(split.rewrite(_common(3, 9), _verification_batch()), OWN_SPLIT_ATTR)
+    monkeypatch.setenv(OWN_SPLIT_ENV, "1")
+    assert getattr(split.rewrite(_common(3, 9), _verification_batch()), OWN_SPLIT_ATTR) == 3
+    assert not hasattr(split.rewrite(_common(1, 9), _verification_batch()), OWN_SPLIT_ATTR)
