@@ -206,6 +206,45 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     assert plain.flat_verify_rewrites == 0
 
 
+# Opt-in verification attention settings, each in a process of its own (they are read when
+# the attention backend is patched).
+ATTENTION_VARIANTS = {
+    "segments-4": {"GEMMA4_SPEC_VERIFY_SEGMENTS": "4"},
+    "own-split": {"GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "1"},
+}
+
+
+@pytest.fixture(scope="module")
+def attention_variant_runs(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """variant -> (plain, ours) on the E2B-shaped pair, Model Runner V2."""
+    root = tmp_path_factory.mktemp("gpu-v2-attention")
+    pairs = [pair for pair in _pairs(root) if pair[0] == "e2b"]
+    configs = _configs(pairs, v2=True)
+    runs = {}
+    for variant, env in ATTENTION_VARIANTS.items():
+        results = generate_in_subprocess(
+            list(configs.values()), env={"VLLM_USE_V2_MODEL_RUNNER": "1", **env}
+        )
+        named = dict(zip(configs, results, strict=True))
+        runs[variant] = (named["e2b-plain"], named["e2b-ours"])
+    return runs
+
+
+@on_gpu
+@pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS))
+def test_v2_verification_attention_settings_are_lossless(
+    attention_variant_runs, variant: str
+) -> None:  # type: ignore[no-untyped-def]
+    # Fewer softmax segments on vLLM's split kernel, and our own split kernel: the verification
+    # ran through them (rewritten batches; our kernel's calls), and greedy float32 output is
+    # plain decoding's.
+    plain, ours = attention_variant_runs[variant]
+    assert ours.token_ids == plain.token_ids
+    assert ours.flat_verify_rewrites > 0
+    if variant == "own-split":  # a process-wide count: this process ran only these engines
+        assert ours.own_split_calls > 0
+
+
 @on_gpu
 def test_v2_verification_graphs_serve_a_target_that_suppresses_tokens(v2_runs, suppressing) -> None:  # type: ignore[no-untyped-def]
     # The published checkpoints' class sets its generation config's suppress_tokens to -inf by

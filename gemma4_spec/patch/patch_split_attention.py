@@ -47,6 +47,12 @@ UNSUPPORTED_ARGS = (
 )
 
 _metadata: contextvars.ContextVar[Any] = contextvars.ContextVar("gemma4_spec_attention_metadata")
+_calls = 0  # attention calls this process sent to our kernel (at capture or eagerly)
+
+
+def own_split_calls() -> int:
+    """How many attention calls this process sent to our kernel (graph replays not counted)."""
+    return _calls
 
 
 def own_split_on() -> bool:
@@ -78,6 +84,8 @@ def apply(module: ModuleType) -> None:
         rows = getattr(_metadata.get(None), OWN_SPLIT_ATTR, None)
         if args or rows is None or not supported(kwargs):
             return original_attention(*args, **kwargs)
+        global _calls
+        _calls += 1
         return run_split_attention(kwargs, rows)
 
     impl.forward = ours(forward)

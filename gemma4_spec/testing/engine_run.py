@@ -27,6 +27,7 @@ from gemma4_spec.ops.graphed_launch import captures_in_process
 from gemma4_spec.patch.patch_gpu_model_runner import RUNNER_MODULE
 from gemma4_spec.patch.patch_input_processor import logitsprocs_cache
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
+from gemma4_spec.patch.patch_split_attention import own_split_calls
 from gemma4_spec.patch.patch_triton_attn import rewrites_of
 from gemma4_spec.spec_decode.computed_tokens import CORRECTION_NAME, GraphedCorrection
 
@@ -156,6 +157,9 @@ class RunResult:
     # Target attention builds whose verification batch ran on the split-key kernel
     # (patch/patch_triton_attn.py), summed over the runner's attention builders.
     flat_verify_rewrites: int = 0
+    # Attention calls of those batches run by our split kernel (patch/patch_split_attention.py,
+    # opt-in), at capture or eagerly.
+    own_split_calls: int = 0
     # Verification steps whose index arrays our builder made (spec_decode/verify_metadata.py),
     # and greedy batches verified without vLLM's rejection sampler (patch_rejection_sampler.py).
     verify_metadata_builds: int = 0
@@ -386,6 +390,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "v2_loop_replays": getattr(drafter, "loop_replays", 0),
         "v2_loop_eager": getattr(drafter, "loop_eager", 0),
         "flat_verify_rewrites": sum(rewrites_of(builder) for builder in builders),
+        "own_split_calls": own_split_calls(),
         "verify_metadata_builds": 0 if verify_metadata is None else verify_metadata.builds,
         "greedy_verify_batches": 0 if greedy is None else greedy.batches,
         "greedy_verify_uncapped": 0 if greedy is None else greedy.uncapped,
