@@ -58,8 +58,8 @@ def _operands(
 
 
 def _check_kernel_against_reference(device: str) -> None:
+    from gemma4_spec.ops.device_counters import counters_of
     from gemma4_spec.ops.small_linear_triton import (
-        _COUNTERS,
         SmallLinearConfig,
         small_linear_config,
         small_linear_kernel,
@@ -90,7 +90,7 @@ def _check_kernel_against_reference(device: str) -> None:
             _assert_close(small_linear_kernel(x, w, forced), small_linear_reference(x, w))
     assert split_seen, "no shape took the split launch"
     # Every tile counter is back at zero after each split launch: the next starts clean.
-    for counters in _COUNTERS.values():
+    for counters in counters_of("small_linear"):
         assert not counters.any(), counters.nonzero().tolist()
 
 

@@ -53,7 +53,8 @@ def _batch(case: tuple, dtype: torch.dtype, device: str, seed: int, block: int =
 
 
 def _check(cases: tuple, dtypes: tuple, device: str) -> None:
-    from gemma4_spec.ops.split_attention_triton import _COUNTERS, split_attention
+    from gemma4_spec.ops.device_counters import counters_of
+    from gemma4_spec.ops.split_attention_triton import split_attention
 
     for i, case in enumerate(cases):
         for dtype in dtypes:
@@ -74,7 +75,7 @@ def _check(cases: tuple, dtypes: tuple, device: str) -> None:
                 q, k, v, table, seq_lens, starts, scale, window // 2 if window else 2, softcap
             )
             assert (other.float() - got.float()).abs().max() > 10 * tol
-            for counters in _COUNTERS.values():
+            for counters in counters_of("split_attention"):
                 assert not counters.any(), counters.nonzero().tolist()
 
 

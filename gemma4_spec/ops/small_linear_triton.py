@@ -29,12 +29,8 @@ from typing import NamedTuple
 
 import torch
 
-from gemma4_spec.ops.centroid_argmax_triton import (
-    HAS_TRITON,
-    _capturing,
-    _device_sms,
-    _dot_precision,
-)
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _device_sms, _dot_precision
+from gemma4_spec.ops.device_counters import device_counters
 
 if HAS_TRITON:
     import triton
@@ -80,22 +76,9 @@ def small_linear_config(
     )
 
 
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
 def prepare_small_linear(device: torch.device | str) -> torch.Tensor:
     """The device's tile counters (zeroed, self-resetting), made on the first call."""
-    key = str(torch.device(device))
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        if _capturing(torch.device(device)):
-            raise RuntimeError(
-                "small_linear: first split launch on this device inside graph capture; "
-                "call prepare_small_linear(device) (or one launch) before capturing"
-            )
-        counters = torch.zeros(COUNTER_CAPACITY, dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
+    return device_counters("small_linear", device, COUNTER_CAPACITY)
 
 
 if HAS_TRITON:

@@ -25,7 +25,8 @@ from typing import NamedTuple
 
 import torch
 
-from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _capturing, _dot_precision
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _dot_precision
+from gemma4_spec.ops.device_counters import device_counters
 
 if HAS_TRITON:
     import triton
@@ -61,22 +62,9 @@ def split_attention_config(
     )
 
 
-_COUNTERS: dict[str, torch.Tensor] = {}
-
-
 def prepare_split_attention(device: torch.device | str) -> torch.Tensor:
     """The device's (request, KV head) counters, zeroed and self-resetting, made once."""
-    key = str(torch.device(device))
-    counters = _COUNTERS.get(key)
-    if counters is None:
-        if _capturing(torch.device(device)):
-            raise RuntimeError(
-                "split_attention: first launch on this device inside graph capture; call "
-                "prepare_split_attention(device) before capturing"
-            )
-        counters = torch.zeros(COUNTER_CAPACITY, dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
+    return device_counters("split_attention", device, COUNTER_CAPACITY)
 
 
 if HAS_TRITON:
