@@ -151,11 +151,30 @@ def test_apply_wraps_once(routed: tuple) -> None:
     assert module.unified_attention is wrapped
 
 
-def test_the_rewrite_marks_verification_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_rewrite_marks_verification_batches() -> None:
     from test_patch_triton_attn import _common, _verification_batch
 
-    split = patch_triton_attn.SplitKeyVerify(max_query_len=3, capacity=16)
-    assert not hasattr(split.rewrite(_common(3, 9), _verification_batch()), OWN_SPLIT_ATTR)
-    monkeypatch.setenv(OWN_SPLIT_ENV, "1")
+    plain = patch_triton_attn.SplitKeyVerify(max_query_len=3, capacity=16)
+    assert not hasattr(plain.rewrite(_common(3, 9), _verification_batch()), OWN_SPLIT_ATTR)
+    split = patch_triton_attn.SplitKeyVerify(max_query_len=3, capacity=16, own_split=True)
     assert getattr(split.rewrite(_common(3, 9), _verification_batch()), OWN_SPLIT_ATTR) == 3
     assert not hasattr(split.rewrite(_common(1, 9), _verification_batch()), OWN_SPLIT_ATTR)
+
+
+def test_the_switch_is_read_once_per_builder(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The rewrite runs every step: it keeps the switch as read when its builder was set up,
+    # where our kernel's counters are made (before any graph capture).
+    from test_patch_triton_attn import _builder
+
+    from gemma4_spec.ops import split_attention_triton
+
+    prepared: list[Any] = []
+    monkeypatch.setattr(split_attention_triton, "prepare_split_attention", prepared.append)
+    monkeypatch.setattr(patch_triton_attn, "flat_verify_supported", lambda: True)
+    monkeypatch.delenv(patch_triton_attn.FLAT_VERIFY_ENV, raising=False)
+    monkeypatch.delenv(OWN_SPLIT_ENV, raising=False)
+    split = patch_triton_attn._make_split_verify(_builder())
+    assert split is not None and not split.own_split and prepared == []
+    monkeypatch.setenv(OWN_SPLIT_ENV, "1")
+    split = patch_triton_attn._make_split_verify(_builder())
+    assert split is not None and split.own_split and prepared == [torch.device("cuda")]

@@ -96,10 +96,17 @@ def apply(module: ModuleType) -> None:
 class SplitKeyVerify:
     """One builder's rewrite of verification batches onto the split-key kernel."""
 
-    def __init__(self, max_query_len: int, capacity: int, segments: int | None = None) -> None:
+    def __init__(
+        self,
+        max_query_len: int,
+        capacity: int,
+        segments: int | None = None,
+        own_split: bool = False,
+    ) -> None:
         self.max_query_len = max_query_len
         self.capacity = capacity  # query tokens the split kernel's scratch holds, at most
         self.segments = segments  # softmax segments of verification batches; None: the builder's
+        self.own_split = own_split  # mark rewritten batches for patch_split_attention's kernel
         self.rewrites = 0  # builds rewritten so far (the GPU engine test checks it is used)
 
     def segments_for(self, metadata: Any) -> int | None:
@@ -133,7 +140,7 @@ class SplitKeyVerify:
             _log_once()
             self.rewrites += 1
             metadata.max_query_len = 1
-            if own_split_on():  # patch_split_attention: our kernel runs it
+            if self.own_split:  # patch_split_attention: our kernel runs it
                 setattr(metadata, OWN_SPLIT_ATTR, self.max_query_len)
             if segments is not None and segments != metadata.num_par_softmax_segments:
                 views = segment_views(
@@ -205,11 +212,14 @@ def _make_split_verify(builder: Any) -> SplitKeyVerify | None:
         return None
     # The split kernel's scratch has a row per query token for seq_threshold_3D tokens.
     capacity = min(builder.seq_threshold_3D, SPLIT_VERIFY_MAX_TOKENS)
-    if own_split_on():
+    own_split = own_split_on()
+    if own_split:
         from gemma4_spec.ops.split_attention_triton import prepare_split_attention
 
         prepare_split_attention(builder.device)  # its counters, before any graph capture
-    return SplitKeyVerify(1 + spec.num_speculative_tokens, capacity, verify_segments_setting())
+    return SplitKeyVerify(
+        1 + spec.num_speculative_tokens, capacity, verify_segments_setting(), own_split
+    )
 
 
 def verify_segments_setting() -> int | None:
