@@ -32,6 +32,8 @@
 #   chain: instead of step 1 (carry part00): the small-rows matmul's CUDA tests and the
 #         draft layer chain with cuBLAS and our kernel (benchmarks/draft_chain.py); torch +
 #         triton only
+#   attention-sweep: our split verification attention's CUDA tests and its block-size sweep
+#         (benchmarks/split_attention_sweep.py; no vLLM: chain it after 'part')
 #   attention-kernels: after 'install', our split verification attention's and the segment
 #         counts' CUDA tests, and verify_attention.py (vLLM's kernels at 16 / 8 / 4 segments
 #         and ours, k=3, B = 1-64, contexts 256 and 2048)
@@ -55,7 +57,7 @@
 # .devexp/tf + .devexp/ours with 'install'; the MoE kernels in a call of their own. The machine
 # goes cold after 30 s without a call, and a cold machine has lost every staged part.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|profile|profile-real|tp2}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-sweep|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
@@ -191,6 +193,14 @@ attention-kernels)  # after 'install': the verification attention kernels, tests
     timeout 300 python3 benchmarks/verify_attention.py --k 3 --batch 1,8,16,32,64 \
         --context 256,2048 --segments 8,4 --reps 100 --json "$OUT/verify_attention.json" 2>&1 \
         | grep -v Warning | tee "$OUT/verify_attention.log"
+    ;;
+attention-sweep)  # no vLLM needed: our split attention's CUDA tests and its block-size sweep
+    timeout 200 python3 -m pytest -q tests/test_split_attention.py \
+        > "$OUT/test_split_attention_cuda.log" 2>&1
+    echo "split attention tests rc=$?"; tail -2 "$OUT/test_split_attention_cuda.log"
+    timeout "${SWEEP_TIMEOUT:-300}" python3 benchmarks/split_attention_sweep.py \
+        --json "$OUT/split_attention_sweep.json" ${SWEEP_ARGS:-} 2>&1 | grep -v Warning \
+        | tee "$OUT/split_attention_sweep.log"
     ;;
 part)  # only stage the carried parts of vLLM (and the MoE kernels, if carried)
     mkdir -p /tmp/stage && cp .devexp/parts/vllm-trim.tar.xz.part* /tmp/stage/ 2>/dev/null

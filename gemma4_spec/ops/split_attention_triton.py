@@ -86,6 +86,7 @@ if HAS_TRITON:
         softcap,
         window,
         block_size,
+        min_keys,  # keys per segment, at least
         stride_qt,
         stride_qh,
         stride_kb,
@@ -103,7 +104,6 @@ if HAS_TRITON:
         HEAD_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr,
         TILE: tl.constexpr,
-        MIN_KEYS: tl.constexpr,
         MAX_SEGMENTS: tl.constexpr,
         SOFTCAP: tl.constexpr,
         WINDOWED: tl.constexpr,
@@ -121,7 +121,7 @@ if HAS_TRITON:
         if WINDOWED:
             lo = tl.maximum(context + 1 - window, 0)
         n_keys = seq_len - lo
-        segments = tl.minimum(tl.maximum((n_keys + MIN_KEYS - 1) // MIN_KEYS, 1), MAX_SEGMENTS)
+        segments = tl.minimum(tl.maximum((n_keys + min_keys - 1) // min_keys, 1), MAX_SEGMENTS)
         if (q_len > 0) & (s < segments):
             per = (n_keys + segments - 1) // segments
             per = (per + TILE - 1) // TILE * TILE
@@ -277,9 +277,12 @@ def split_attention(
     softcap: float = 0.0,
     out: torch.Tensor | None = None,
     scratch: SplitAttentionScratch | None = None,
+    config: SplitAttentionConfig | None = None,
 ) -> torch.Tensor:
     """``split_attention_reference`` in one launch (module docstring). ``max_query_len`` bounds
-    every request's query tokens (the rows of a program's block)."""
+    every request's query tokens (the rows of a program's block); ``config`` replaces
+    ``split_attention_config``'s sizes (its ``block_m`` must hold ``max_query_len`` x group
+    rows and its ``max_segments`` be at most the scratch's)."""
     tokens, heads, head_dim = q.shape
     requests, kv_heads = seq_lens.shape[0], key_cache.shape[2]
     group = heads // kv_heads
@@ -289,17 +292,20 @@ def split_attention(
     counters = prepare_split_attention(q.device)
     if scratch is None:
         scratch = split_attention_scratch(tokens, heads, head_dim, q.device)
-    cfg = split_attention_config(max_query_len, group, head_dim, scratch.values.shape[2])
+    cfg = config or split_attention_config(max_query_len, group, head_dim, scratch.values.shape[2])
+    if cfg.block_m < max_query_len * group or cfg.max_segments > scratch.values.shape[2]:
+        raise ValueError(f"split_attention: {cfg} cannot hold {max_query_len} x {group} rows")
     precision, upcast = _dot_precision(q)
     grid = (requests, kv_heads, cfg.max_segments)
     _split_attention_kernel[grid](
         q, key_cache, value_cache, out, block_table, seq_lens, starts, scratch.values,
         scratch.maxima, scratch.sums, counters, scale, softcap, window, key_cache.shape[1],
+        cfg.min_keys,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), out.stride(0),
         out.stride(1), block_table.stride(0), NUM_HEADS=heads, GROUP=group, HEAD=head_dim,
         HEAD_PAD=scratch.values.shape[-1], BLOCK_M=cfg.block_m, TILE=cfg.tile,
-        MIN_KEYS=cfg.min_keys, MAX_SEGMENTS=cfg.max_segments, SOFTCAP=softcap > 0,
+        MAX_SEGMENTS=cfg.max_segments, SOFTCAP=softcap > 0,
         WINDOWED=window > 0, PRECISION=precision, UPCAST=upcast, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
