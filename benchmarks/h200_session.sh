@@ -195,6 +195,7 @@ attention-kernels)  # after 'install': the verification attention kernels, tests
         | grep -v Warning | tee "$OUT/verify_attention.log"
     ;;
 attention-sweep)  # no vLLM needed: our split attention's CUDA tests and its block-size sweep
+    export PYTHONPATH=${PYTHONPATH:-$PWD}
     timeout 200 python3 -m pytest -q tests/test_split_attention.py \
         > "$OUT/test_split_attention_cuda.log" 2>&1
     echo "split attention tests rc=$?"; tail -2 "$OUT/test_split_attention_cuda.log"

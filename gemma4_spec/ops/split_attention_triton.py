@@ -25,15 +25,16 @@ from typing import NamedTuple
 
 import torch
 
-from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _dot_precision
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _interpreting
 from gemma4_spec.ops.device_counters import device_counters
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-TILE = 32  # keys per step of a program's walk
-MIN_KEYS = 64  # keys per segment, at least, before a request's keys are split further
+TILE = 64  # keys per step of a program's walk, where a tile of keys fits TILE_BYTES
+TILE_BYTES = 64 * 1024  # one tile of keys (or values) in the key dtype, at most
+MIN_KEYS = 128  # keys per segment, at least, before a request's keys are split further
 MAX_SEGMENTS = 16
 COUNTER_CAPACITY = 8192  # requests x KV heads of one launch
 
@@ -50,15 +51,23 @@ class SplitAttentionConfig(NamedTuple):
 
 
 def split_attention_config(
-    max_query_len: int, group: int, head_dim: int, max_segments: int = MAX_SEGMENTS
+    max_query_len: int,
+    group: int,
+    head_dim: int,
+    max_segments: int = MAX_SEGMENTS,
+    element_size: int = 2,
 ) -> SplitAttentionConfig:
-    """Sizes for requests of up to ``max_query_len`` query tokens and ``max_segments`` (a
-    power of two: the scratch's segments per row)."""
+    """Sizes for requests of up to ``max_query_len`` query tokens, ``max_segments`` (a power
+    of two: the scratch's segments per row) and keys of ``element_size`` bytes."""
     block_m = max(16, triton.next_power_of_2(max_query_len * group))
+    head_pad = triton.next_power_of_2(head_dim)
+    tile = TILE
+    while tile > 16 and tile * head_pad * element_size > TILE_BYTES:
+        tile //= 2
     # The float32 accumulator is block_m x head floats a program: more warps to hold a large one.
-    wide = block_m * triton.next_power_of_2(head_dim) >= 8192
+    wide = block_m * head_pad >= 8192
     return SplitAttentionConfig(
-        block_m, TILE, MIN_KEYS, max_segments, num_warps=8 if wide else 4, num_stages=2
+        block_m, tile, MIN_KEYS, max_segments, num_warps=8 if wide else 4, num_stages=2
     )
 
 
@@ -212,30 +221,35 @@ if HAS_TRITON:
                     # The last segment: combine all of them (written by other programs: read
                     # through L2, ".cg"), in segment order.
                     tl.debug_barrier()
-                    top = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                    for s2 in range(0, segments):
-                        m_s = tl.load(
-                            max_ptr + part + s2, mask=row_ok, other=0.0, cache_modifier=".cg"
-                        )
-                        top = tl.maximum(top, m_s)
+                    # Every segment's maximum and sum in one load each (one round trip to L2,
+                    # not one a segment), then the weighted values segment by segment.
+                    segs = tl.arange(0, MAX_SEGMENTS)
+                    seg_ok = row_ok[:, None] & (segs[None, :] < segments)
+                    maxima = tl.load(
+                        max_ptr + part[:, None] + segs[None, :],
+                        mask=seg_ok,
+                        other=float("-inf"),
+                        cache_modifier=".cg",
+                    )
+                    sums = tl.load(
+                        sum_ptr + part[:, None] + segs[None, :],
+                        mask=seg_ok,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    top = tl.max(maxima, axis=1)
                     top = tl.where(top == float("-inf"), 0.0, top)
-                    weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    factors = tl.exp(maxima - top[:, None])  # 0 where masked
+                    weight_sum = tl.sum(sums * factors, axis=1)
                     total = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
                     for s2 in range(0, segments):
-                        m_s = tl.load(
-                            max_ptr + part + s2, mask=row_ok, other=0.0, cache_modifier=".cg"
-                        )
-                        l_s = tl.load(
-                            sum_ptr + part + s2, mask=row_ok, other=0.0, cache_modifier=".cg"
-                        )
                         a_s = tl.load(
                             acc_ptr + (part + s2)[:, None] * HEAD_PAD + offs_d[None, :],
                             mask=row_ok[:, None],
                             other=0.0,
                             cache_modifier=".cg",
                         )
-                        factor = tl.exp(m_s - top)
-                        weight_sum += l_s * factor
+                        factor = tl.sum(tl.where(segs[None, :] == s2, factors, 0.0), axis=1)
                         total += a_s * factor[:, None]
                     total = total / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
                     tl.store(
@@ -292,10 +306,16 @@ def split_attention(
     counters = prepare_split_attention(q.device)
     if scratch is None:
         scratch = split_attention_scratch(tokens, heads, head_dim, q.device)
-    cfg = config or split_attention_config(max_query_len, group, head_dim, scratch.values.shape[2])
+    cfg = config or split_attention_config(
+        max_query_len, group, head_dim, scratch.values.shape[2], key_cache.element_size()
+    )
     if cfg.block_m < max_query_len * group or cfg.max_segments > scratch.values.shape[2]:
         raise ValueError(f"split_attention: {cfg} cannot hold {max_query_len} x {group} rows")
-    precision, upcast = _dot_precision(q)
+    # Triton's interpreter: float32 products (bfloat16 upcast first, see UPCAST). On a GPU
+    # Triton's default, as vLLM's attention kernel takes it (TF32 for float32 operands), so
+    # that in float32 verification sees the attention plain decoding computed.
+    upcast = _interpreting() and q.dtype != torch.float32
+    precision = "ieee" if _interpreting() else "tf32"
     grid = (requests, kv_heads, cfg.max_segments)
     _split_attention_kernel[grid](
         q, key_cache, value_cache, out, block_table, seq_lens, starts, scratch.values,
