@@ -132,6 +132,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "1"},
         "spec": {},
     },
+    # Our split kernel for the sliding-window layers only (it lost to vLLM's on the full ones
+    # in one layer's timings), and the same with vLLM's at 8 segments for the full layers.
+    "ours-V2-ownsliding": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "sliding"},
+        "spec": {},
+    },
+    "ours-V2-ownsliding-seg8": {
+        "env": {
+            "VLLM_USE_V2_MODEL_RUNNER": "1",
+            "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "sliding",
+            "GEMMA4_SPEC_VERIFY_SEGMENTS": "8",
+        },
+        "spec": {},
+    },
     "ours-V2-seg4": {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_VERIFY_SEGMENTS": "4"},
         "spec": {},

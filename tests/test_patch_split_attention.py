@@ -49,8 +49,12 @@ def _vllm_call(device: str, dtype: torch.dtype = torch.float32, window: int = 40
 
 
 def _check_vllm_call_mapping(device: str) -> None:
-    for window in (0, 40):
+    for window, segments in ((0, 16), (40, 16), (40, 8)):
         kwargs = _vllm_call(device, window=window)
+        if segments != 16:  # GEMMA4_SPEC_VERIFY_SEGMENTS's views of the scratch
+            names = ("softmax_segm_output", "softmax_segm_max", "softmax_segm_expsum")
+            views = patch_triton_attn.segment_views(*(kwargs[n] for n in names), segments)
+            kwargs.update(zip(names, views, strict=True))
         out = patch_split_attention.run_split_attention(kwargs, rows=4)
         real = 12  # the padding tokens' rows are not written
         want = split_attention_reference(
@@ -91,9 +95,8 @@ def _fake_backend() -> tuple[ModuleType, list[str]]:
     return module, calls
 
 
-@pytest.fixture
-def routed(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, list[str]]:
-    monkeypatch.setenv(OWN_SPLIT_ENV, "1")
+def _route(monkeypatch: pytest.MonkeyPatch, setting: str) -> tuple[ModuleType, list[str]]:
+    monkeypatch.setenv(OWN_SPLIT_ENV, setting)
     module, calls = _fake_backend()
     monkeypatch.setattr(
         patch_split_attention,
@@ -102,6 +105,11 @@ def routed(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, list[str]]:
     )
     patch_split_attention.apply(module)
     return module, calls
+
+
+@pytest.fixture
+def routed(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, list[str]]:
+    return _route(monkeypatch, "1")
 
 
 def _forward(module: ModuleType, metadata: Any, **changes: Any) -> Any:
@@ -115,6 +123,30 @@ def test_marked_verification_batches_run_our_kernel(routed: tuple) -> None:
     assert _forward(module, SimpleNamespace(**{OWN_SPLIT_ATTR: 4})) == "ours"
     assert _forward(module, SimpleNamespace()) == "vllm"  # not a rewritten verification batch
     assert calls == ["ours 4", "vllm"]
+
+
+def test_sliding_setting_sends_only_windowed_layers_to_our_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    module, calls = _route(monkeypatch, "sliding")
+    marked = SimpleNamespace(**{OWN_SPLIT_ATTR: 4})
+    assert _forward(module, marked, window_size=(39, 0)) == "ours"  # a sliding layer
+    assert _forward(module, marked, window_size=(-1, -1)) == "vllm"  # a full-attention layer
+    assert calls == ["ours 4", "vllm"]
+
+
+@pytest.mark.parametrize("value", ["2", "full", "yes"])
+def test_unknown_setting_is_a_clear_error_before_start_up(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from gemma4_spec.checks import _check_environment
+    from gemma4_spec.validation import UnsupportedConfigurationError
+
+    monkeypatch.setenv(OWN_SPLIT_ENV, value)
+    with pytest.raises(UnsupportedConfigurationError, match="expected 1 .* sliding"):
+        _check_environment()
+    monkeypatch.setenv(OWN_SPLIT_ENV, "0")
+    _check_environment()  # off: nothing to say
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """Verification attention through our split kernel (``ops/split_attention_triton.py``), opt-in.
 
-Experimental: on with ``GEMMA4_SPEC_OWN_SPLIT_ATTENTION=1``, until the GPU benchmarks say
-whether it earns its place (``benchmarks/verify_attention.py``'s ``ours`` column, then the
-``ours-V2-ownsplit`` engine of ``benchmarks/real_work.py``).
+Experimental: on with ``GEMMA4_SPEC_OWN_SPLIT_ATTENTION=1`` for every layer, ``=sliding`` for
+the sliding-window layers only (where one layer's timings favour it: ``benchmarks/results/
+h100``), until the engine benchmarks say whether it earns its place (the ``ours-V2-ownsplit``
+and ``ours-V2-ownsliding`` engines of ``benchmarks/real_work.py``).
 
 Wraps, in ``vllm.v1.attention.backends.triton_attn``: ``TritonAttentionImpl.forward`` (to
 know, for the duration of one layer's call, which batch's metadata it runs) and the module's
@@ -23,13 +24,16 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import os
 from types import ModuleType
 from typing import Any
 
 from gemma4_spec.patch.hooks import is_ours, ours
-from gemma4_spec.switches import turned_on
+from gemma4_spec.validation import UnsupportedConfigurationError
 
 OWN_SPLIT_ENV = "GEMMA4_SPEC_OWN_SPLIT_ATTENTION"
+# The setting's values: the layers whose verification attention our kernel computes.
+OWN_SPLIT_MODES = {"1": "all", "sliding": "sliding"}
 # Set by patch_triton_attn on a rewritten verification batch's metadata: its longest
 # request's query tokens (the rows of one program of our kernel).
 OWN_SPLIT_ATTR = "_gemma4_spec_own_split"
@@ -55,13 +59,28 @@ def own_split_calls() -> int:
     return _calls
 
 
+def own_split_mode() -> str | None:
+    """``GEMMA4_SPEC_OWN_SPLIT_ATTENTION`` read: None (unset or "0": off), "all" or "sliding"."""
+    value = os.environ.get(OWN_SPLIT_ENV, "").strip()
+    if value in ("", "0"):
+        return None
+    if value in OWN_SPLIT_MODES:
+        return OWN_SPLIT_MODES[value]
+    raise UnsupportedConfigurationError(
+        f"{OWN_SPLIT_ENV}={value!r}: expected 1 (every layer's verification attention through "
+        "our split kernel), sliding (the sliding-window layers' only) or 0 (vLLM's kernel)."
+    )
+
+
 def own_split_on() -> bool:
-    return turned_on(OWN_SPLIT_ENV)
+    return own_split_mode() is not None
 
 
 def apply(module: ModuleType) -> None:
-    if not own_split_on():
+    mode = own_split_mode()
+    if mode is None:
         return
+    sliding_only = mode == "sliding"
     impl = getattr(module, "TritonAttentionImpl", None)
     if impl is None or is_ours(impl.forward):
         return
@@ -83,6 +102,8 @@ def apply(module: ModuleType) -> None:
     def unified_attention(*args: Any, **kwargs: Any) -> Any:
         rows = getattr(_metadata.get(None), OWN_SPLIT_ATTR, None)
         if args or rows is None or not supported(kwargs):
+            return original_attention(*args, **kwargs)
+        if sliding_only and _window_of(kwargs) == 0:
             return original_attention(*args, **kwargs)
         global _calls
         _calls += 1
@@ -107,10 +128,15 @@ def supported(kwargs: dict[str, Any]) -> bool:
     )
 
 
+def _window_of(kwargs: dict[str, Any]) -> int:
+    """The keys a query token attends back to, itself included (0: no window)."""
+    left = (kwargs.get("window_size") or (-1, -1))[0]
+    return left + 1 if left >= 0 else 0
+
+
 def run_split_attention(kwargs: dict[str, Any], rows: int) -> Any:
     from gemma4_spec.ops.split_attention_triton import SplitAttentionScratch, split_attention
 
-    left = (kwargs.get("window_size") or (-1, -1))[0]
     scratch = SplitAttentionScratch(
         kwargs["softmax_segm_output"], kwargs["softmax_segm_max"], kwargs["softmax_segm_expsum"]
     )
@@ -123,7 +149,7 @@ def run_split_attention(kwargs: dict[str, Any], rows: int) -> Any:
         kwargs["cu_seqlens_q"],
         rows,
         kwargs["softmax_scale"],
-        window=left + 1 if left >= 0 else 0,
+        window=_window_of(kwargs),
         softcap=kwargs.get("softcap") or 0.0,
         out=kwargs["out"],
         scratch=scratch,
