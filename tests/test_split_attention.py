@@ -92,3 +92,16 @@ def test_kernel_matches_reference_under_interpreter(check_under_interpreter) -> 
 @needs_cuda
 def test_kernel_matches_reference_cuda() -> None:
     _check(SMALL_CASES + E2B_CASES, (torch.float32, torch.bfloat16), "cuda")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_segment_cap_gives_each_sm_about_one_program(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gemma4_spec.ops import split_attention_triton as m
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(m, "_device_sms", lambda device: (132, None))
+    cuda = torch.device("cuda")
+    # E2B (one KV head) at B = 1 / 8 / 16 / 32 / 64 / 256
+    caps = [m.segment_cap(b, cuda) for b in (1, 8, 16, 32, 64, 256)]
+    assert caps == [16, 16, 8, 4, 2, 1]
+    assert m.segment_cap(1, cuda, max_segments=8) == 8  # GEMMA4_SPEC_VERIFY_SEGMENTS's views

@@ -1,11 +1,12 @@
 """The Triton kernel of ``split_attention_reference`` (``ops/split_attention.py``).
 
-``_split_attention_kernel``, grid ``(R, Hkv, MAX_SEGMENTS)``: program ``(r, h, s)`` holds all of
+``_split_attention_kernel``, grid ``(R, Hkv, cap)``: program ``(r, h, s)`` holds all of
 request ``r``'s query tokens for the ``Hq / Hkv`` query heads of KV head ``h`` as the rows of one
 block (``BLOCK_M`` >= q_len x group, at least 16, the smallest ``tl.dot`` side). The keys some
 row attends are ``[lo, seq_len)``, ``lo`` the first token's window start (0 without a window);
-they are cut into ``segments = min(MAX_SEGMENTS, ceil(keys / MIN_KEYS))`` runs of whole
-``TILE``s, and program ``s`` walks run ``s`` with an online softmax (programs past
+they are cut into ``segments = min(cap, ceil(keys / MIN_KEYS))`` runs of whole
+``TILE``s (``cap``, ``segment_cap``: about one program an SM over the launch's requests x KV
+heads, at most ``MAX_SEGMENTS``; the H100 sweep's best segment counts followed it), and program ``s`` walks run ``s`` with an online softmax (programs past
 ``segments`` return at once). With one segment the program writes the output. With several,
 each writes its rows' running maximum, sum and float32 weighted values to scratch, and the
 program that brings the request and head's last segment (an atomic counter) combines them in
@@ -25,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _interpreting
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _device_sms, _interpreting
 from gemma4_spec.ops.device_counters import device_counters
 
 if HAS_TRITON:
@@ -34,8 +35,9 @@ if HAS_TRITON:
 
 TILE = 64  # keys per step of a program's walk, where a tile of keys fits TILE_BYTES
 TILE_BYTES = 64 * 1024  # one tile of keys (or values) in the key dtype, at most
-MIN_KEYS = 128  # keys per segment, at least, before a request's keys are split further
+MIN_KEYS = 64  # keys per segment, at least, before a request's keys are split further
 MAX_SEGMENTS = 16
+INTERPRET_SMS = 64  # "SM count" under the interpreter: several segments in small tests
 COUNTER_CAPACITY = 8192  # requests x KV heads of one launch
 
 
@@ -71,6 +73,14 @@ def split_attention_config(
     )
 
 
+def segment_cap(programs: int, device: torch.device, max_segments: int = MAX_SEGMENTS) -> int:
+    """Segments a request at most, for ``programs`` (requests x KV heads): about one program
+    an SM, so a small batch splits its keys over more programs (a shorter walk each) and a
+    large one keeps each request's keys in fewer (less to write and combine)."""
+    sms = INTERPRET_SMS if _interpreting() else _device_sms(device)[0]
+    return max(1, min(max_segments, sms // max(programs, 1)))
+
+
 def prepare_split_attention(device: torch.device | str) -> torch.Tensor:
     """The device's (request, KV head) counters, zeroed and self-resetting, made once."""
     return device_counters("split_attention", device, COUNTER_CAPACITY)
@@ -96,6 +106,7 @@ if HAS_TRITON:
         window,
         block_size,
         min_keys,  # keys per segment, at least
+        cap,  # segments a request, at most (<= MAX_SEGMENTS)
         stride_qt,
         stride_qh,
         stride_kb,
@@ -130,7 +141,7 @@ if HAS_TRITON:
         if WINDOWED:
             lo = tl.maximum(context + 1 - window, 0)
         n_keys = seq_len - lo
-        segments = tl.minimum(tl.maximum((n_keys + min_keys - 1) // min_keys, 1), MAX_SEGMENTS)
+        segments = tl.minimum(tl.maximum((n_keys + min_keys - 1) // min_keys, 1), cap)
         if (q_len > 0) & (s < segments):
             per = (n_keys + segments - 1) // segments
             per = (per + TILE - 1) // TILE * TILE
@@ -316,11 +327,12 @@ def split_attention(
     # that in float32 verification sees the attention plain decoding computed.
     upcast = _interpreting() and q.dtype != torch.float32
     precision = "ieee" if _interpreting() else "tf32"
-    grid = (requests, kv_heads, cfg.max_segments)
+    cap = segment_cap(requests * kv_heads, q.device, cfg.max_segments)
+    grid = (requests, kv_heads, cap)
     _split_attention_kernel[grid](
         q, key_cache, value_cache, out, block_table, seq_lens, starts, scratch.values,
         scratch.maxima, scratch.sums, counters, scale, softcap, window, key_cache.shape[1],
-        cfg.min_keys,
+        cfg.min_keys, cap,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), out.stride(0),
         out.stride(1), block_table.stride(0), NUM_HEADS=heads, GROUP=group, HEAD=head_dim,
