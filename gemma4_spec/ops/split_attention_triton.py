@@ -4,15 +4,15 @@
 request ``r``'s query tokens for the ``Hq / Hkv`` query heads of KV head ``h`` as the rows of one
 block (``BLOCK_M`` >= q_len x group, at least 16, the smallest ``tl.dot`` side). The keys some
 row attends are ``[lo, seq_len)``, ``lo`` the first token's window start (0 without a window);
-they are cut into ``segments = min(cap, ceil(keys / MIN_KEYS))`` runs of whole
-``TILE``s (``cap``, ``segment_cap``: about one program an SM over the launch's requests x KV
-heads, at most ``MAX_SEGMENTS``; the H100 sweep's best segment counts followed it), and program ``s`` walks run ``s`` with an online softmax (programs past
-``segments`` return at once). With one segment the program writes the output. With several,
-each writes its rows' running maximum, sum and float32 weighted values to scratch, and the
-program that brings the request and head's last segment (an atomic counter) combines them in
-segment order (the result does not depend on which came last), writes the output and sets the
-counter back to zero for the next launch or graph replay: one launch where vLLM's split
-kernel takes two.
+they are cut into ``segments = min(cap, ceil(keys / MIN_KEYS))`` runs of whole ``TILE``s, and
+program ``s`` walks run ``s`` with an online softmax (programs past ``segments`` return at
+once). ``cap`` (``segment_cap``) is about one program an SM over the launch's requests x KV
+heads, at most ``MAX_SEGMENTS``: the H100 sweep's best segment counts followed it. With one
+segment the program writes the output. With several, each writes its rows' running maximum,
+sum and float32 weighted values to scratch, and the program that brings the request and head's
+last segment (an atomic counter) combines them in segment order (the result does not depend on
+which came last), writes the output and sets the counter back to zero for the next launch or
+graph replay: one launch where vLLM's split kernel takes two.
 
 Counters are per device (``prepare_split_attention``, made outside any graph capture);
 launches sharing them must not run concurrently on different streams. Under Triton's CPU
