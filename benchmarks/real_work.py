@@ -133,7 +133,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "spec": {},
     },
     # Our split kernel for the sliding-window layers only (it lost to vLLM's on the full ones
-    # in one layer's timings), and the same with vLLM's at 8 segments for the full layers.
+    # in one layer's timings), and the same with vLLM's at 8 or 4 segments for the full layers.
     "ours-V2-ownsliding": {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "sliding"},
         "spec": {},
@@ -143,6 +143,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
             "VLLM_USE_V2_MODEL_RUNNER": "1",
             "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "sliding",
             "GEMMA4_SPEC_VERIFY_SEGMENTS": "8",
+        },
+        "spec": {},
+    },
+    "ours-V2-ownsliding-seg4": {
+        "env": {
+            "VLLM_USE_V2_MODEL_RUNNER": "1",
+            "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "sliding",
+            "GEMMA4_SPEC_VERIFY_SEGMENTS": "4",
         },
         "spec": {},
     },
