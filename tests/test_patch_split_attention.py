@@ -210,3 +210,17 @@ def test_the_switch_is_read_once_per_builder(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv(OWN_SPLIT_ENV, "1")
     split = patch_triton_attn._make_split_verify(_builder())
     assert split is not None and split.own_split and prepared == [torch.device("cuda")]
+
+
+def test_our_kernel_takes_the_scratch_back_to_its_segments() -> None:
+    # GEMMA4_SPEC_VERIFY_SEGMENTS=4 views vLLM's scratch with 4 segments a row (for vLLM's
+    # kernel, on the layers ours does not run); ours views it back to 16, where the rows suffice.
+    kwargs = _vllm_call("cpu")  # 128 rows x 16 segments, 14 query tokens
+    names = ("softmax_segm_output", "softmax_segm_max", "softmax_segm_expsum")
+    four = patch_triton_attn.segment_views(*(kwargs[n] for n in names), 4)
+    kwargs.update(zip(names, four, strict=True))
+    scratch = patch_split_attention._scratch(kwargs)
+    assert scratch.values.shape[:3] == (128, 8, 16) and scratch.maxima.shape == (128, 8, 16)
+    assert scratch.values.data_ptr() == four[0].data_ptr()
+    kwargs["q"] = torch.zeros(129, 8, 32)  # more query tokens than 16-segment rows: keep 4
+    assert patch_split_attention._scratch(kwargs).values.shape[:3] == (512, 8, 4)

@@ -134,12 +134,28 @@ def _window_of(kwargs: dict[str, Any]) -> int:
     return left + 1 if left >= 0 else 0
 
 
-def run_split_attention(kwargs: dict[str, Any], rows: int) -> Any:
-    from gemma4_spec.ops.split_attention_triton import SplitAttentionScratch, split_attention
+def _scratch(kwargs: dict[str, Any]) -> Any:
+    """vLLM's split-kernel scratch as our kernel's: the same memory, viewed with up to our
+    ``MAX_SEGMENTS`` segments a row where it still has a row per query token. The batch's
+    ``GEMMA4_SPEC_VERIFY_SEGMENTS`` view (fewer segments, more rows) is for vLLM's kernel; ours
+    picks its own count, up to what the view allows."""
+    from gemma4_spec.ops.split_attention_triton import MAX_SEGMENTS, SplitAttentionScratch
+    from gemma4_spec.patch.patch_triton_attn import segment_views
 
-    scratch = SplitAttentionScratch(
-        kwargs["softmax_segm_output"], kwargs["softmax_segm_max"], kwargs["softmax_segm_expsum"]
-    )
+    output = kwargs["softmax_segm_output"]
+    maxima, sums = kwargs["softmax_segm_max"], kwargs["softmax_segm_expsum"]
+    heads, segments, head = output.shape[1:]
+    whole = heads * MAX_SEGMENTS * head
+    if segments < MAX_SEGMENTS and output.numel() % whole == 0:
+        if output.numel() // whole >= kwargs["q"].shape[0]:
+            output, maxima, sums = segment_views(output, maxima, sums, MAX_SEGMENTS)
+    return SplitAttentionScratch(output, maxima, sums)
+
+
+def run_split_attention(kwargs: dict[str, Any], rows: int) -> Any:
+    from gemma4_spec.ops.split_attention_triton import split_attention
+
+    scratch = _scratch(kwargs)
     return split_attention(
         kwargs["q"],
         kwargs["k"],
