@@ -11,6 +11,8 @@ harness), median of ``--reps`` replays, in us. ``split s=N``: the split kernel w
 segments instead of vLLM's 16 (``GEMMA4_SPEC_VERIFY_SEGMENTS``; ``-``/NaN where its scratch
 cannot hold the batch); ``ours``: ``ops/split_attention_triton.py`` (segments over the keys the
 request attends, picked from their count, summed by the last segment program: one launch).
+Last, a table of what those rows add up to in a step of E2B's target (28 sliding and 7 full
+layers) for each kernel choice on the sliding and the full layers.
 
     python benchmarks/verify_attention.py --batch 1,8,32 --context 256,2048 --k 3 \
         --segments 8,4,2 --json out.json
@@ -42,6 +44,7 @@ from gemma4_spec.testing.triton_attention import (  # noqa: E402
 
 HEADS, KV_HEADS, BLOCK = 8, 1, 16
 LAYERS = {"sliding-256": (256, 512), "full-512": (512, 0)}
+E2B_LAYERS = {"sliding-256": 28, "full-512": 7}  # the target's layers of each kind
 
 
 def _measure(
@@ -132,8 +135,39 @@ def main() -> None:
                     flush=True,
                 )
                 rows.append(dict(layer=name, batch=batch, context=context, k=args.k, **times))
+    _print_policies(rows, counts)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def _print_policies(rows: list[dict], counts: list[int]) -> None:
+    """Verification attention a step of E2B's layers (``E2B_LAYERS``) under each choice of
+    kernel for the sliding and the full layers: vLLM's split kernel at its 16 or at N segments
+    (``sN``; its one-pass kernel where the split's scratch cannot hold the batch) or ours."""
+
+    def time(row: dict, kernel: str) -> float:
+        value = row["ours" if kernel == "ours" else "split_3d" + kernel.removeprefix("16")]
+        return row["vllm_2d"] if value != value else value  # NaN: the one-pass kernel runs it
+
+    kernels = ["16", *(f"_s{n}" for n in counts if n != SEGMENTS), "ours"]
+    policies = [(a, b) for a in kernels for b in kernels]
+    by = {(r["layer"], r["batch"], r["context"]): r for r in rows}
+    label = {"16": "16", "ours": "ours", **{f"_s{n}": f"s{n}" for n in counts}}
+    names = [f"{label[a]}/{label[b]}" for a, b in policies]
+    print("\nus a step, E2B's 28 sliding / 7 full layers, kernel on each (sliding/full):")
+    print(f"{'B':>3s} {'ctx':>5s} " + " ".join(f"{n:>10s}" for n in names))
+    for _, batch, context in sorted({(0, r["batch"], r["context"]) for r in rows}):
+        sliding, full = (
+            by.get(("sliding-256", batch, context)),
+            by.get(("full-512", batch, context)),
+        )
+        if sliding is None or full is None:
+            continue
+        sums = [
+            E2B_LAYERS["sliding-256"] * time(sliding, a) + E2B_LAYERS["full-512"] * time(full, b)
+            for a, b in policies
+        ]
+        print(f"{batch:3d} {context:5d} " + " ".join(f"{x:10.0f}" for x in sums), flush=True)
 
 
 if __name__ == "__main__":
