@@ -116,8 +116,7 @@ def test_kernel_matches_reference_cuda() -> None:
 def test_segment_cap_gives_each_sm_about_one_program(monkeypatch: pytest.MonkeyPatch) -> None:
     from gemma4_spec.ops import split_attention_triton as m
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(m, "_device_sms", lambda device: (132, None))
+    monkeypatch.setattr(m, "sm_count", lambda device, off_gpu: 132)
     cuda = torch.device("cuda")
     # E2B (one KV head) at B = 1 / 8 / 16 / 32 / 64 / 256
     caps = [m.segment_cap(b, cuda) for b in (1, 8, 16, 32, 64, 256)]

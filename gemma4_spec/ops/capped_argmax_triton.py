@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _device_sms, _interpreting
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _interpreting, sm_count
 
 if HAS_TRITON:
     import triton
@@ -127,7 +127,7 @@ if HAS_TRITON:
 
 def split_count(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
     """(splits, values per split) for ``rows`` rows of ``vocab`` values (module docstring)."""
-    sms = _device_sms(device)[0] if device.type == "cuda" else INTERPRET_SMS
+    sms = sm_count(device, INTERPRET_SMS)
     wanted = max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * sms // max(rows, 1))))
     tiles = -(-vocab // BLOCK)
     tiles_per_split = -(-tiles // min(wanted, tiles))

@@ -898,6 +898,12 @@ def _device_sms(device: torch.device) -> tuple[int, SmLimits]:
     return _SM_LIMITS[index]
 
 
+def sm_count(device: torch.device, off_gpu: int) -> int:
+    """The CUDA device's SM count; ``off_gpu`` for any other device (Triton's CPU interpreter,
+    where a kernel's tests want a few programs' worth of splits)."""
+    return _device_sms(device)[0] if device.type == "cuda" else off_gpu
+
+
 def _driver_programs_per_sm(function: int, threads: int, shared: int) -> int | None:
     """The CUDA driver's own answer (cuOccupancyMaxActiveBlocksPerMultiprocessor) for a
     loaded kernel, or None if it cannot be asked."""

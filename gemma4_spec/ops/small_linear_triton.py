@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _device_sms, _dot_precision
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _dot_precision, sm_count
 from gemma4_spec.ops.device_counters import device_counters
 
 if HAS_TRITON:
@@ -63,7 +63,7 @@ def small_linear_config(
     block_t = min(MAX_BLOCK_T, max(16, triton.next_power_of_2(rows)))
     block_k = min(BLOCK_K, max(16, triton.next_power_of_2(depth)))
     block_n = 16 if columns <= 4096 else 32
-    sms = _device_sms(device)[0] if device.type == "cuda" else INTERPRET_SMS
+    sms = sm_count(device, INTERPRET_SMS)
     tiles = triton.cdiv(columns, block_n) * triton.cdiv(rows, block_t)
     steps = triton.cdiv(depth, block_k)
     splits = 1

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _device_sms, _interpreting
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _interpreting, sm_count
 from gemma4_spec.ops.device_counters import device_counters
 
 if HAS_TRITON:
@@ -77,7 +77,7 @@ def segment_cap(programs: int, device: torch.device, max_segments: int = MAX_SEG
     """Segments a request at most, for ``programs`` (requests x KV heads): about one program
     an SM, so a small batch splits its keys over more programs (a shorter walk each) and a
     large one keeps each request's keys in fewer (less to write and combine)."""
-    sms = INTERPRET_SMS if _interpreting() else _device_sms(device)[0]
+    sms = sm_count(device, INTERPRET_SMS)
     return max(1, min(max_segments, sms // max(programs, 1)))
 
 

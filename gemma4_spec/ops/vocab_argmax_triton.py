@@ -45,10 +45,10 @@ import torch
 from gemma4_spec.ops.centroid_argmax_triton import (
     HAS_TRITON,
     _capturing,
-    _device_sms,
     _dot_precision,
     grown_counters,
     keep_if_captured,
+    sm_count,
     triton_usable,
 )
 from gemma4_spec.ops.vocab_argmax import vocab_argmax_reference
@@ -86,7 +86,7 @@ def vocab_argmax_config(
     block_t = min(VOCAB_MAX_BLOCK_T, max(16, triton.next_power_of_2(max(num_tokens, 1))))
     block_k = min(VOCAB_BLOCK_K, max(16, triton.next_power_of_2(hidden_size)))
     block_v = min(VOCAB_BLOCK_V, max(16, triton.next_power_of_2(vocab)))
-    sms = VOCAB_INTERPRET_SMS if device.type != "cuda" else _device_sms(device)[0]
+    sms = sm_count(device, VOCAB_INTERPRET_SMS)
     token_blocks = triton.cdiv(max(num_tokens, 1), block_t)
     splits = max(1, sms * VOCAB_PROGRAMS_PER_SM // token_blocks)
     big = block_t >= 128  # a 128 x 128 fp32 accumulator: 8 warps, one stage less of smem
