@@ -26,7 +26,12 @@ from typing import NamedTuple
 
 import torch
 
-from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _interpreting, sm_count
+from gemma4_spec.ops.centroid_argmax_triton import (
+    HAS_TRITON,
+    _dot_precision,
+    _interpreting,
+    sm_count,
+)
 from gemma4_spec.ops.device_counters import device_counters
 
 if HAS_TRITON:
@@ -322,11 +327,12 @@ def split_attention(
     )
     if cfg.block_m < max_query_len * group or cfg.max_segments > scratch.values.shape[2]:
         raise ValueError(f"split_attention: {cfg} cannot hold {max_query_len} x {group} rows")
-    # Triton's interpreter: float32 products (bfloat16 upcast first, see UPCAST). On a GPU
-    # Triton's default, as vLLM's attention kernel takes it (TF32 for float32 operands), so
-    # that in float32 verification sees the attention plain decoding computed.
-    upcast = _interpreting() and q.dtype != torch.float32
-    precision = "ieee" if _interpreting() else "tf32"
+    # On a GPU, Triton's default precision, as vLLM's attention kernel takes it (TF32 for
+    # float32 operands), so that in float32 verification sees the attention plain decoding
+    # computed; under the interpreter, the shared choice (float32 products, bfloat16 upcast).
+    precision, upcast = _dot_precision(q)
+    if not _interpreting():
+        precision = "tf32"
     cap = segment_cap(requests * kv_heads, q.device, cfg.max_segments)
     grid = (requests, kv_heads, cap)
     _split_attention_kernel[grid](

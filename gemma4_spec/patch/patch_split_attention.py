@@ -101,9 +101,12 @@ def apply(module: ModuleType) -> None:
     @functools.wraps(original_attention)
     def unified_attention(*args: Any, **kwargs: Any) -> Any:
         rows = getattr(_metadata.get(None), OWN_SPLIT_ATTR, None)
-        if args or rows is None or not supported(kwargs):
-            return original_attention(*args, **kwargs)
-        if sliding_only and _window_of(kwargs) == 0:
+        if (
+            args
+            or rows is None
+            or not supported(kwargs)
+            or (sliding_only and _window_of(kwargs) == 0)
+        ):
             return original_attention(*args, **kwargs)
         global _calls
         _calls += 1
