@@ -119,21 +119,36 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS": "32"},
         "spec": {},
     },
-    # The split-key verification with fewer softmax segments than vLLM's 16
-    # (GEMMA4_SPEC_VERIFY_SEGMENTS): less scratch written and reduced per query token.
-    "ours-V2-seg8": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_VERIFY_SEGMENTS": "8"},
+    # The verification attention before the large-batch default (patch/patch_triton_attn.py):
+    # vLLM's split kernel at its 16 segments for every verification batch, ours never.
+    "ours-V2-vllm16": {
+        "env": {
+            "VLLM_USE_V2_MODEL_RUNNER": "1",
+            "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "0",
+            "GEMMA4_SPEC_VERIFY_SEGMENTS": "16",
+        },
         "spec": {},
     },
-    # Verification attention through our split kernel (ops/split_attention_triton.py,
-    # GEMMA4_SPEC_OWN_SPLIT_ATTENTION=1, experimental): segments over the attended keys, their
-    # count from the key count, one launch a layer.
+    # The split-key verification with fewer softmax segments than vLLM's 16 at every batch
+    # size (GEMMA4_SPEC_VERIFY_SEGMENTS): less scratch written and reduced per query token.
+    "ours-V2-seg8": {
+        "env": {
+            "VLLM_USE_V2_MODEL_RUNNER": "1",
+            "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "0",
+            "GEMMA4_SPEC_VERIFY_SEGMENTS": "8",
+        },
+        "spec": {},
+    },
+    # Verification attention through our split kernel (ops/split_attention_triton.py) for
+    # every verification batch (GEMMA4_SPEC_OWN_SPLIT_ATTENTION=1): segments over the attended
+    # keys, their count from the key count, one launch a layer.
     "ours-V2-ownsplit": {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "1"},
         "spec": {},
     },
-    # Our split kernel for the sliding-window layers only (it lost to vLLM's on the full ones
-    # in one layer's timings), and the same with vLLM's at 8 or 4 segments for the full layers.
+    # Our split kernel for the sliding-window layers of every verification batch (it lost to
+    # vLLM's on the full ones in one layer's timings), and the same with vLLM's at 8 or 4
+    # segments for the full layers (the default's large-batch form, at every size).
     "ours-V2-ownsliding": {
         "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "sliding"},
         "spec": {},
@@ -155,7 +170,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "spec": {},
     },
     "ours-V2-seg4": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_VERIFY_SEGMENTS": "4"},
+        "env": {
+            "VLLM_USE_V2_MODEL_RUNNER": "1",
+            "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "0",
+            "GEMMA4_SPEC_VERIFY_SEGMENTS": "4",
+        },
         "spec": {},
     },
     # vLLM's own V2 speculator (its draft prefill and step graphs) drafting with our model:

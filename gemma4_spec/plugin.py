@@ -19,7 +19,6 @@ from gemma4_spec.patch import (
     patch_input_processor,
     patch_rejection_sampler,
     patch_request_params,
-    patch_split_attention,
     patch_top_k_only,
     patch_triton_attn,
     patch_v2_rejection_sampler,
@@ -61,7 +60,6 @@ def register() -> None:
     when_imported(patch_gpu_model_runner.RUNNER_MODULE, patch_gpu_model_runner.apply)
     when_imported(patch_vllm_config.CONFIG_MODULE, patch_vllm_config.apply)
     when_imported(patch_triton_attn.TRITON_ATTN_MODULE, patch_triton_attn.apply)
-    when_imported(patch_triton_attn.TRITON_ATTN_MODULE, patch_split_attention.apply)
     when_imported(patch_rejection_sampler.REJECTION_SAMPLER_MODULE, patch_rejection_sampler.apply)
     when_imported(patch_cpu_expand.REJECTION_SAMPLER_MODULE, patch_cpu_expand.apply)
     when_imported(patch_top_k_only.TOPK_TOPP_MODULE, patch_top_k_only.apply)

@@ -206,8 +206,8 @@ def test_model_runner_v2_drafts_with_our_model_losslessly(v2_runs, target: str) 
     assert plain.flat_verify_rewrites == 0
 
 
-# Opt-in verification attention settings, each in a process of its own (they are read when
-# the attention backend is patched).
+# Verification attention settings, each in a process of its own (they are read when the
+# attention backend is patched).
 ATTENTION_VARIANTS = {
     "segments-4": {"GEMMA4_SPEC_VERIFY_SEGMENTS": "4"},
     "own-split": {"GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "1"},
@@ -216,6 +216,9 @@ ATTENTION_VARIANTS = {
         "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "sliding",
         "GEMMA4_SPEC_VERIFY_SEGMENTS": "8",
     },
+    # The default for large verification batches (our kernel on the sliding layers, vLLM's at
+    # 4 segments on the full ones), from 8 query tokens so that this test's batches reach it.
+    "own-large-batch-default": {"GEMMA4_SPEC_LARGE_VERIFY_TOKENS": "8"},
 }
 
 

@@ -5,6 +5,7 @@ subprocess)."""
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -135,6 +136,19 @@ def test_sliding_setting_sends_only_windowed_layers_to_our_kernel(
     assert calls == ["ours 4", "vllm"]
 
 
+def test_default_sends_the_sliding_layers_of_marked_batches_to_our_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Unset or "auto": the sliding-window layers (the rewrite marks only large batches).
+    for setting in ("", "auto"):
+        module, calls = _route(monkeypatch, setting)
+        marked = SimpleNamespace(**{OWN_SPLIT_ATTR: 4})
+        assert _forward(module, marked, window_size=(39, 0)) == "ours"
+        assert _forward(module, marked, window_size=(-1, -1)) == "vllm"
+        assert _forward(module, SimpleNamespace(), window_size=(39, 0)) == "vllm"
+        assert calls == ["ours 4", "vllm", "vllm"]
+
+
 @pytest.mark.parametrize("value", ["2", "full", "yes"])
 def test_unknown_setting_is_a_clear_error_before_start_up(
     monkeypatch: pytest.MonkeyPatch, value: str
@@ -143,7 +157,7 @@ def test_unknown_setting_is_a_clear_error_before_start_up(
     from gemma4_spec.validation import UnsupportedConfigurationError
 
     monkeypatch.setenv(OWN_SPLIT_ENV, value)
-    with pytest.raises(UnsupportedConfigurationError, match="expected 1 .* sliding"):
+    with pytest.raises(UnsupportedConfigurationError, match="expected auto .* 1 .* sliding"):
         _check_environment()
     monkeypatch.setenv(OWN_SPLIT_ENV, "0")
     _check_environment()  # off: nothing to say
@@ -167,8 +181,8 @@ def test_what_our_kernel_does_not_do_stays_on_vllms(routed: tuple, change: dict)
     assert _forward(module, SimpleNamespace(**{OWN_SPLIT_ATTR: 4}), **change) == "vllm"
 
 
-def test_off_unless_switched_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(OWN_SPLIT_ENV, raising=False)
+def test_off_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(OWN_SPLIT_ENV, "0")
     module, calls = _fake_backend()
     original = module.unified_attention
     patch_split_attention.apply(module)
@@ -184,18 +198,26 @@ def test_apply_wraps_once(routed: tuple) -> None:
 
 
 def test_the_rewrite_marks_verification_batches() -> None:
-    from test_patch_triton_attn import _common, _verification_batch
+    from test_patch_triton_attn import _common, _scratch_batch
 
-    plain = patch_triton_attn.SplitKeyVerify(max_query_len=3, capacity=16)
-    assert not hasattr(plain.rewrite(_common(3, 9), _verification_batch()), OWN_SPLIT_ATTR)
-    split = patch_triton_attn.SplitKeyVerify(max_query_len=3, capacity=16, own_split=True)
-    assert getattr(split.rewrite(_common(3, 9), _verification_batch()), OWN_SPLIT_ATTR) == 3
-    assert not hasattr(split.rewrite(_common(1, 9), _verification_batch()), OWN_SPLIT_ATTR)
+    def marked(split: patch_triton_attn.SplitKeyVerify, query: int, tokens: int) -> Any:
+        return getattr(
+            split.rewrite(_common(query, tokens), _scratch_batch()), OWN_SPLIT_ATTR, None
+        )
+
+    plain = patch_triton_attn.SplitKeyVerify(3, capacity=4)  # our kernel off
+    assert marked(plain, 3, 3) is None and marked(plain, 3, 9) is None
+    every = patch_triton_attn.SplitKeyVerify(3, capacity=4, own_split="sliding", large_tokens=8)
+    assert marked(every, 3, 3) == 3 and marked(every, 3, 9) == 3
+    assert marked(every, 1, 3) is None  # a decode batch: not rewritten
+    auto = patch_triton_attn.SplitKeyVerify(3, capacity=4, own_split="auto", large_tokens=8)
+    assert marked(auto, 3, 3) is None and marked(auto, 3, 9) == 3  # large batches only
 
 
 def test_the_switch_is_read_once_per_builder(monkeypatch: pytest.MonkeyPatch) -> None:
     # The rewrite runs every step: it keeps the switch as read when its builder was set up,
-    # where our kernel's counters are made (before any graph capture).
+    # where our kernel's counters are made (before any graph capture) and its routing
+    # installed in vLLM's backend module.
     from test_patch_triton_attn import _builder
 
     from gemma4_spec.ops import split_attention_triton
@@ -204,12 +226,19 @@ def test_the_switch_is_read_once_per_builder(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(split_attention_triton, "prepare_split_attention", prepared.append)
     monkeypatch.setattr(patch_triton_attn, "flat_verify_supported", lambda: True)
     monkeypatch.delenv(patch_triton_attn.FLAT_VERIFY_ENV, raising=False)
-    monkeypatch.delenv(OWN_SPLIT_ENV, raising=False)
+    module, calls = _fake_backend()
+    original = module.unified_attention
+    monkeypatch.setitem(sys.modules, patch_triton_attn.TRITON_ATTN_MODULE, module)
+    monkeypatch.setenv(OWN_SPLIT_ENV, "0")
     split = patch_triton_attn._make_split_verify(_builder())
-    assert split is not None and not split.own_split and prepared == []
+    assert split is not None and split.own_split is None and prepared == []
+    assert module.unified_attention is original
+    monkeypatch.delenv(OWN_SPLIT_ENV)
+    split = patch_triton_attn._make_split_verify(_builder())
+    assert split is not None and split.own_split == "auto" and prepared == [torch.device("cuda")]
+    assert module.unified_attention is not original  # routed from now on
     monkeypatch.setenv(OWN_SPLIT_ENV, "1")
-    split = patch_triton_attn._make_split_verify(_builder())
-    assert split is not None and split.own_split and prepared == [torch.device("cuda")]
+    assert patch_triton_attn._make_split_verify(_builder()).own_split == "all"
 
 
 def test_our_kernel_takes_the_scratch_back_to_its_segments() -> None:

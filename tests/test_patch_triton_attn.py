@@ -12,7 +12,13 @@ import torch
 from vllm.config import CUDAGraphMode
 
 from gemma4_spec.patch import patch_triton_attn
-from gemma4_spec.patch.patch_triton_attn import FLAT_VERIFY_ENV, SplitKeyVerify
+from gemma4_spec.patch.patch_split_attention import OWN_SPLIT_ATTR, OWN_SPLIT_ENV
+from gemma4_spec.patch.patch_triton_attn import (
+    FLAT_VERIFY_ENV,
+    LARGE_TOKENS_ENV,
+    LARGE_VERIFY_SEGMENTS,
+    SplitKeyVerify,
+)
 
 
 @dataclass
@@ -122,15 +128,29 @@ def _builder(**overrides: Any) -> SimpleNamespace:
 
 
 @pytest.fixture
-def vllm_026(monkeypatch: pytest.MonkeyPatch) -> None:
+def vllm_026(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """vLLM 0.26 as far as the rewrite asks, the settings unset; our kernel's set-up (its
+    counters on the builder's CUDA device, its routing) recorded, not run."""
+    from gemma4_spec.ops import split_attention_triton
+
+    prepared: list[Any] = []
     monkeypatch.setattr(patch_triton_attn, "flat_verify_supported", lambda: True)
-    monkeypatch.delenv(FLAT_VERIFY_ENV, raising=False)
+    monkeypatch.setattr(split_attention_triton, "prepare_split_attention", prepared.append)
+    monkeypatch.setattr(patch_triton_attn.patch_split_attention, "apply", prepared.append)
+    for name in (FLAT_VERIFY_ENV, patch_triton_attn.SEGMENTS_ENV, LARGE_TOKENS_ENV, OWN_SPLIT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    return prepared
 
 
-def test_enabled_for_gemma4_mtp_on_cuda(vllm_026: None) -> None:
+def test_enabled_for_gemma4_mtp_on_cuda(vllm_026: list[Any]) -> None:
     flat = patch_triton_attn._make_split_verify(_builder())
     assert flat is not None and flat.max_query_len == 3
     assert flat.capacity == min(128, patch_triton_attn.SPLIT_VERIFY_MAX_TOKENS)
+    # The defaults: large batches get fewer segments, and our kernel on their sliding layers
+    # (its counters made now, before any graph capture).
+    assert flat.segments is None and flat.own_split == "auto"
+    assert flat.large_tokens == patch_triton_attn.LARGE_VERIFY_TOKENS
+    assert vllm_026[0] == torch.device("cuda")
 
 
 @pytest.mark.parametrize(
@@ -147,11 +167,13 @@ def test_enabled_for_gemma4_mtp_on_cuda(vllm_026: None) -> None:
         {"softmax_segm_output": None},
     ],
 )
-def test_disabled_where_capture_and_replay_could_differ(vllm_026: None, override: dict) -> None:
+def test_disabled_where_capture_and_replay_could_differ(
+    vllm_026: list[Any], override: dict
+) -> None:
     assert patch_triton_attn._make_split_verify(_builder(**override)) is None
 
 
-def test_enabled_when_vllm_renames_the_method_mtp(vllm_026: None) -> None:
+def test_enabled_when_vllm_renames_the_method_mtp(vllm_026: list[Any]) -> None:
     # vLLM 0.26 rewrites method "gemma4_mtp" to "mtp"; use_gemma4_mtp() tells them apart.
     builder = _builder()
     spec = builder.vllm_config.speculative_config
@@ -162,12 +184,12 @@ def test_enabled_when_vllm_renames_the_method_mtp(vllm_026: None) -> None:
     assert patch_triton_attn._make_split_verify(builder) is None
 
 
-def test_disabled_by_environment(vllm_026: None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_disabled_by_environment(vllm_026: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FLAT_VERIFY_ENV, "0")
     assert patch_triton_attn._make_split_verify(_builder()) is None
 
 
-def test_enabled_on_both_model_runners(vllm_026: None) -> None:
+def test_enabled_on_both_model_runners(vllm_026: list[Any]) -> None:
     # Both runners build a step's metadata before replaying the graph that reads it.
     for v2 in (False, True):
         builder = _builder(**{"vllm_config.use_v2_model_runner": v2})
@@ -186,7 +208,7 @@ def test_disabled_on_untested_vllm_versions(monkeypatch: pytest.MonkeyPatch) -> 
     assert patch_triton_attn._make_split_verify(_builder()) is None
 
 
-def test_disabled_without_the_split_kernels_scratch_size(vllm_026: None) -> None:
+def test_disabled_without_the_split_kernels_scratch_size(vllm_026: list[Any]) -> None:
     # Builders that size no 3D scratch (seq_threshold_3D 0 or missing) have no room for it.
     assert patch_triton_attn._make_split_verify(_builder(seq_threshold_3D=0)) is None
     builder = _builder()
@@ -194,7 +216,7 @@ def test_disabled_without_the_split_kernels_scratch_size(vllm_026: None) -> None
     assert patch_triton_attn._make_split_verify(builder) is None
 
 
-def test_apply_wraps_build_once_and_rewrites_verification_batches(vllm_026: None) -> None:
+def test_apply_wraps_build_once_and_rewrites_verification_batches(vllm_026: list[Any]) -> None:
     class Builder:
         def __init__(self) -> None:
             vars(self).update(vars(_builder(device=torch.device("cpu"))))
@@ -273,6 +295,22 @@ def test_unset_segments_keep_the_builders() -> None:
     assert out.max_query_len == 1 and out.num_par_softmax_segments == 16
 
 
+def test_large_batches_get_fewer_segments_by_default() -> None:
+    split = SplitKeyVerify(3, capacity=4, large_tokens=8)
+    small = split.rewrite(_common(3, 3), _scratch_batch())
+    assert small.max_query_len == 1 and small.num_par_softmax_segments == 16
+    large = split.rewrite(_common(3, 9), _scratch_batch())  # within the rows at 4 segments
+    assert large.max_query_len == 1
+    assert large.num_par_softmax_segments == LARGE_VERIFY_SEGMENTS
+    assert large.softmax_segm_max.shape == (16, 2, LARGE_VERIFY_SEGMENTS)
+    assert not hasattr(large, OWN_SPLIT_ATTR)  # our kernel only where its mode says
+    # A segments setting holds at every size.
+    fixed = SplitKeyVerify(3, capacity=4, segments=8, large_tokens=8)
+    for tokens in (3, 8):
+        out = fixed.rewrite(_common(3, tokens), _scratch_batch())
+        assert out.max_query_len == 1 and out.num_par_softmax_segments == 8
+
+
 @pytest.mark.parametrize(("value", "parsed"), [("", None), ("1", 1), ("4", 4), (" 16", 16)])
 def test_segments_setting(monkeypatch: pytest.MonkeyPatch, value: str, parsed: int | None) -> None:
     monkeypatch.setenv(patch_triton_attn.SEGMENTS_ENV, value)
@@ -288,3 +326,30 @@ def test_bad_segments_setting_is_refused_before_the_engine(
     monkeypatch.setenv(patch_triton_attn.SEGMENTS_ENV, value)
     with pytest.raises(UnsupportedConfigurationError, match="GEMMA4_SPEC_VERIFY_SEGMENTS"):
         _check_environment()
+
+
+@pytest.mark.parametrize(("value", "parsed"), [("", 128), ("8", 8), (" 96 ", 96)])
+def test_large_tokens_setting(monkeypatch: pytest.MonkeyPatch, value: str, parsed: int) -> None:
+    monkeypatch.setenv(LARGE_TOKENS_ENV, value)
+    assert patch_triton_attn.large_verify_tokens() == parsed
+
+
+@pytest.mark.parametrize("value", ["0", "-4", "many"])
+def test_bad_large_tokens_setting_is_refused_before_the_engine(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from gemma4_spec.checks import UnsupportedConfigurationError, _check_environment
+
+    monkeypatch.setenv(LARGE_TOKENS_ENV, value)
+    with pytest.raises(UnsupportedConfigurationError, match=LARGE_TOKENS_ENV):
+        _check_environment()
+
+
+def test_builder_reads_the_settings(vllm_026: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(patch_triton_attn.SEGMENTS_ENV, "8")
+    monkeypatch.setenv(LARGE_TOKENS_ENV, "64")
+    monkeypatch.setenv(OWN_SPLIT_ENV, "0")
+    flat = patch_triton_attn._make_split_verify(_builder())
+    assert flat is not None
+    assert (flat.segments, flat.large_tokens, flat.own_split) == (8, 64, None)
+    assert vllm_026 == []  # our kernel off: nothing made, nothing routed

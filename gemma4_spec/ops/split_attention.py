@@ -10,8 +10,8 @@ block ``block_table[r, j // block_size]``. Query head ``h`` reads KV head ``h //
 Scores are ``scale * q . k``, soft-capped as ``cap * tanh(score / cap)`` when ``softcap > 0``,
 and the softmax-weighted sum of V is the output, in ``q``'s dtype.
 
-Why a kernel of our own (in the engine only with ``GEMMA4_SPEC_OWN_SPLIT_ATTENTION``, until
-timed there; ``patch/patch_split_attention.py``): vLLM's split-key kernel divides a
+Why a kernel of our own (in the engine by default on the sliding-window layers of large
+verification batches; ``patch/patch_split_attention.py``): vLLM's split-key kernel divides a
 sequence's keys into a fixed number of segments, the whole sequence even for a sliding layer
 (whose window then falls in a few of them as the context grows), and sums the segments in a
 second launch. Ours splits only the keys some query token of the request attends, picks how

@@ -1,20 +1,25 @@
-"""Verification attention through our split kernel (``ops/split_attention_triton.py``), opt-in.
+"""Verification attention through our split kernel (``ops/split_attention_triton.py``).
 
-Experimental: on with ``GEMMA4_SPEC_OWN_SPLIT_ATTENTION=1`` for every layer, ``=sliding`` for
-the sliding-window layers only (where one layer's timings favour it: ``benchmarks/results/
-h100``), until the engine benchmarks say whether it earns its place (the ``ours-V2-ownsplit``
-and ``ours-V2-ownsliding`` engines of ``benchmarks/real_work.py``).
+By default on the sliding-window layers of large verification batches (at least
+``patch_triton_attn.LARGE_VERIFY_TOKENS`` query tokens), where the engine and one layer's
+timings favour it (``benchmarks/results/h100``): its segments cover a sliding layer's window,
+not the whole sequence as vLLM's do, so a long context costs it nothing there.
+``GEMMA4_SPEC_OWN_SPLIT_ATTENTION`` chooses otherwise: ``0`` never, ``1`` every layer of every
+verification batch, ``sliding`` the sliding-window layers of every verification batch
+(``auto``, the default, as above).
 
-Wraps, in ``vllm.v1.attention.backends.triton_attn``: ``TritonAttentionImpl.forward`` (to
+Wraps, once ``patch_triton_attn`` sets up a builder of an engine drafting with ``gemma4_mtp``
+on CUDA, in ``vllm.v1.attention.backends.triton_attn``: ``TritonAttentionImpl.forward`` (to
 know, for the duration of one layer's call, which batch's metadata it runs) and the module's
 ``unified_attention`` (the kernel call that ``forward`` makes). A batch that
-``patch_triton_attn`` rewrote as a verification batch carries ``OWN_SPLIT_ATTR`` (its longest
-request's query tokens); its attention call goes to ``split_attention``, with vLLM's own
-split-kernel scratch (the same layout: query token x query head x segment x head size) and
-the same arguments: queries, paged caches, block table, key counts, query offsets, scale,
-window, soft-cap. Everything else goes to vLLM's kernel as it was: batches without the mark,
-and calls with what our kernel does not do (a quantized KV cache, ALiBi, attention sinks,
-query or output scales, multimodal prefixes, a non-causal mask, chunked sliding windows).
+``patch_triton_attn`` rewrote as a verification batch and marked for our kernel carries
+``OWN_SPLIT_ATTR`` (its longest request's query tokens); its attention call goes to
+``split_attention``, with vLLM's own split-kernel scratch (the same layout: query token x
+query head x segment x head size) and the same arguments: queries, paged caches, block table,
+key counts, query offsets, scale, window, soft-cap. Everything else goes to vLLM's kernel as
+it was: batches without the mark, and calls with what our kernel does not do (a quantized KV
+cache, ALiBi, attention sinks, query or output scales, multimodal prefixes, a non-causal mask,
+chunked sliding windows).
 
 Under CUDA graphs the choice is taken at capture, from the same batch mark as the rewrite's.
 vLLM versions: ``compat.FLAT_VERIFY_VLLM`` (0.26), as the rewrite.
@@ -32,10 +37,13 @@ from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.validation import UnsupportedConfigurationError
 
 OWN_SPLIT_ENV = "GEMMA4_SPEC_OWN_SPLIT_ATTENTION"
-# The setting's values: the layers whose verification attention our kernel computes.
-OWN_SPLIT_MODES = {"1": "all", "sliding": "sliding"}
-# Set by patch_triton_attn on a rewritten verification batch's metadata: its longest
-# request's query tokens (the rows of one program of our kernel).
+# The setting's values and modes: "all" (every layer) and "sliding" (the sliding-window layers)
+# of every verification batch; "auto" the sliding-window layers of large ones.
+OWN_SPLIT_MODES = {"1": "all", "sliding": "sliding", "auto": "auto"}
+# The layers a mode sends to our kernel: all of them, or only those with a window.
+SLIDING_ONLY_MODES = ("sliding", "auto")
+# Set by patch_triton_attn on a rewritten verification batch's metadata that our kernel is to
+# run: its longest request's query tokens (the rows of one program of our kernel).
 OWN_SPLIT_ATTR = "_gemma4_spec_own_split"
 # unified_attention's arguments that our kernel leaves to vLLM's when they are set.
 UNSUPPORTED_ARGS = (
@@ -60,27 +68,25 @@ def own_split_calls() -> int:
 
 
 def own_split_mode() -> str | None:
-    """``GEMMA4_SPEC_OWN_SPLIT_ATTENTION`` read: None (unset or "0": off), "all" or "sliding"."""
-    value = os.environ.get(OWN_SPLIT_ENV, "").strip()
-    if value in ("", "0"):
+    """``GEMMA4_SPEC_OWN_SPLIT_ATTENTION`` read: None ("0": off), "all", "sliding" or "auto"
+    (unset: the default)."""
+    value = os.environ.get(OWN_SPLIT_ENV, "").strip() or "auto"
+    if value == "0":
         return None
     if value in OWN_SPLIT_MODES:
         return OWN_SPLIT_MODES[value]
     raise UnsupportedConfigurationError(
-        f"{OWN_SPLIT_ENV}={value!r}: expected 1 (every layer's verification attention through "
-        "our split kernel), sliding (the sliding-window layers' only) or 0 (vLLM's kernel)."
+        f"{OWN_SPLIT_ENV}={value!r}: expected auto (the default: the sliding-window layers of "
+        "large verification batches through our split kernel), 1 (every layer's verification "
+        "attention), sliding (the sliding-window layers' only) or 0 (vLLM's kernel)."
     )
-
-
-def own_split_on() -> bool:
-    return own_split_mode() is not None
 
 
 def apply(module: ModuleType) -> None:
     mode = own_split_mode()
     if mode is None:
         return
-    sliding_only = mode == "sliding"
+    sliding_only = mode in SLIDING_ONLY_MODES
     impl = getattr(module, "TritonAttentionImpl", None)
     if impl is None or is_ours(impl.forward):
         return

@@ -27,15 +27,19 @@ of the first version of this patch, which rewrote each query token as a one-toke
 Softmax segments: vLLM's split kernel divides each sequence's keys into 16 segments, and for
 every query token and head writes each segment's float32 partial output, which a second kernel
 (``reduce_segments``) reads back and combines. A verification batch has ``1 + k`` times the
-query tokens of a decode batch, so that scratch traffic grows with it. With
-``GEMMA4_SPEC_VERIFY_SEGMENTS`` (a power of two from 1 to 16; unset: vLLM's 16) verification
-batches use fewer segments: the rewrite views the builder's scratch with that many segments per
+query tokens of a decode batch, so that scratch traffic grows with it. Fewer segments mean
+less of it, and longer walks over the keys per program; vLLM splits the whole sequence, not a
+sliding layer's window, so as the context grows a sliding layer's window falls in fewer
+programs. Hence the default for large verification batches (at least ``LARGE_VERIFY_TOKENS``
+query tokens): ``LARGE_VERIFY_SEGMENTS`` segments on the full-attention layers, and the
+sliding-window layers on our split kernel (``patch_split_attention``), whose segments cover
+the window only; smaller batches keep vLLM's 16 on its kernel (``benchmarks/results/h100``
+has the engine and one-layer figures behind both). ``GEMMA4_SPEC_VERIFY_SEGMENTS`` (a power
+of two from 1 to 16) gives every verification batch that many instead. Where a batch gets
+fewer segments than the builder's, the rewrite views the builder's scratch with that many a
 row (the same memory holds proportionally more query rows) and sets the metadata's segment
-count, which the kernel and the reduction both take. Fewer segments also mean longer walks over
-the keys per program, and vLLM splits the whole sequence, not a sliding layer's window, so the
-window's keys fall in fewer programs as the context grows: the setting pays at large batches
-of short contexts and costs at long ones (``benchmarks/results/h100``), and a CUDA graph fixes
-it at capture, so it cannot follow the context; it stays opt-in.
+count, which the kernel and the reduction both take. A CUDA graph fixes the choice at capture,
+by the batch's token count (its key), so it follows the batch size, never the context.
 
 Both model runners: each builds the step's metadata through ``build`` before it replays a full
 graph (with ``GEMMA4_SPEC_V2_DRAFT_LOOP=0``, V2 also for vLLM's draft prefill, which reuses the
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -54,8 +59,9 @@ import torch
 
 from gemma4_spec.compat import flat_verify_supported
 from gemma4_spec.log import get_logger
+from gemma4_spec.patch import patch_split_attention
 from gemma4_spec.patch.hooks import is_ours, ours
-from gemma4_spec.patch.patch_split_attention import OWN_SPLIT_ATTR, own_split_on
+from gemma4_spec.patch.patch_split_attention import OWN_SPLIT_ATTR, own_split_mode
 from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
 from gemma4_spec.switches import turned_off
 from gemma4_spec.validation import UnsupportedConfigurationError
@@ -70,6 +76,12 @@ FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
 SPLIT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "128"))
 SEGMENTS_ENV = "GEMMA4_SPEC_VERIFY_SEGMENTS"
 SEGMENT_CHOICES = (1, 2, 4, 8, 16)
+# Large verification batches: from this many query tokens (k=3 at B=32 on the E2B shape), where
+# the engine ran faster with fewer segments than at 16 (module docstring). Settable with
+# GEMMA4_SPEC_LARGE_VERIFY_TOKENS (the GPU engine test lowers it to reach small batches).
+LARGE_TOKENS_ENV = "GEMMA4_SPEC_LARGE_VERIFY_TOKENS"
+LARGE_VERIFY_TOKENS = 128
+LARGE_VERIFY_SEGMENTS = 4
 
 logger = get_logger(__name__)
 _logged = False
@@ -101,19 +113,36 @@ class SplitKeyVerify:
         max_query_len: int,
         capacity: int,
         segments: int | None = None,
-        own_split: bool = False,
+        own_split: str | None = None,
+        large_tokens: int = LARGE_VERIFY_TOKENS,
     ) -> None:
         self.max_query_len = max_query_len
         self.capacity = capacity  # query tokens the split kernel's scratch holds, at most
-        self.segments = segments  # softmax segments of verification batches; None: the builder's
-        self.own_split = own_split  # mark rewritten batches for patch_split_attention's kernel
+        # Softmax segments of every verification batch (GEMMA4_SPEC_VERIFY_SEGMENTS); None: the
+        # default, LARGE_VERIFY_SEGMENTS for large batches, the builder's for the others.
+        self.segments = segments
+        # patch_split_attention's mode: which rewritten batches to mark for our kernel.
+        self.own_split = own_split
+        self.large_tokens = large_tokens
         self.rewrites = 0  # builds rewritten so far (the GPU engine test checks it is used)
 
-    def segments_for(self, metadata: Any) -> int | None:
+    def is_large(self, common: Any) -> bool:
+        return common.num_actual_tokens >= self.large_tokens
+
+    def segments_for(self, common: Any, metadata: Any) -> int | None:
         """The batch's softmax segments, or None to keep the builder's."""
-        if self.segments is None:
+        wanted = self.segments
+        if wanted is None and self.is_large(common):
+            wanted = LARGE_VERIFY_SEGMENTS
+        if wanted is None:
             return None
-        return min(self.segments, metadata.num_par_softmax_segments)
+        return min(wanted, metadata.num_par_softmax_segments)
+
+    def marks_own_split(self, common: Any) -> bool:
+        """Whether the batch's attention goes to our kernel (on the layers its mode names)."""
+        if self.own_split == "auto":
+            return self.is_large(common)
+        return self.own_split is not None
 
     def applies(self, common: Any, metadata: Any, segments: int | None = None) -> bool:
         # ``use_cascade``: 0.26's Triton metadata has it; from 0.32 the backend has no cascade
@@ -135,12 +164,12 @@ class SplitKeyVerify:
         return min(rows // segments, SPLIT_VERIFY_MAX_TOKENS)
 
     def rewrite(self, common: Any, metadata: Any) -> Any:
-        segments = self.segments_for(metadata)
+        segments = self.segments_for(common, metadata)
         if self.applies(common, metadata, segments):
             _log_once()
             self.rewrites += 1
             metadata.max_query_len = 1
-            if self.own_split:  # patch_split_attention: our kernel runs it
+            if self.marks_own_split(common):  # patch_split_attention: our kernel runs it
                 setattr(metadata, OWN_SPLIT_ATTR, self.max_query_len)
             if segments is not None and segments != metadata.num_par_softmax_segments:
                 views = segment_views(
@@ -212,13 +241,22 @@ def _make_split_verify(builder: Any) -> SplitKeyVerify | None:
         return None
     # The split kernel's scratch has a row per query token for seq_threshold_3D tokens.
     capacity = min(builder.seq_threshold_3D, SPLIT_VERIFY_MAX_TOKENS)
-    own_split = own_split_on()
-    if own_split:
+    own_split = own_split_mode()
+    if own_split is not None:
         from gemma4_spec.ops.split_attention_triton import prepare_split_attention
 
         prepare_split_attention(builder.device)  # its counters, before any graph capture
+        # The kernel call's routing, installed here (not at import) so that only engines
+        # drafting with gemma4_mtp on CUDA pay for its wrapper.
+        backend = sys.modules.get(TRITON_ATTN_MODULE)
+        if backend is not None:
+            patch_split_attention.apply(backend)
     return SplitKeyVerify(
-        1 + spec.num_speculative_tokens, capacity, verify_segments_setting(), own_split
+        1 + spec.num_speculative_tokens,
+        capacity,
+        verify_segments_setting(),
+        own_split,
+        large_verify_tokens(),
     )
 
 
@@ -234,6 +272,21 @@ def verify_segments_setting() -> int | None:
         f"{SEGMENTS_ENV}={value!r}: expected one of {', '.join(map(str, SEGMENT_CHOICES))} "
         "(softmax segments of verification batches on the split kernel); unset it for "
         "vLLM's 16."
+    )
+
+
+def large_verify_tokens() -> int:
+    """``GEMMA4_SPEC_LARGE_VERIFY_TOKENS`` read: query tokens from which a verification batch
+    is large (``LARGE_VERIFY_TOKENS`` where unset)."""
+    value = os.environ.get(LARGE_TOKENS_ENV, "").strip()
+    if not value:
+        return LARGE_VERIFY_TOKENS
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    raise UnsupportedConfigurationError(
+        f"{LARGE_TOKENS_ENV}={value!r}: expected a positive number of query tokens (from which "
+        f"a verification batch gets the large-batch attention); unset it for "
+        f"{LARGE_VERIFY_TOKENS}."
     )
 
 
