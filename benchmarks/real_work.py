@@ -11,7 +11,8 @@ rounds are the steady state.
 Pairs and acceptance profiles:
 
 * ``e2b``: E2B-shaped random weights (``gemma4_spec.testing.e2b_shaped``), bf16, 128-token
-  random prompts, 128 new tokens each (``ignore_eos``). Random weights accept nothing, so the
+  random prompts (``--prompt-len``: longer ones, past the 512-token sliding window, for the
+  verification attention's long-context side), 128 new tokens each (``ignore_eos``). Random weights accept nothing, so the
   acceptance comes from vLLM's synthetic rejection sampling (``rejection_sample_method:
   "synthetic"``, unconditional per-position rates): ``field`` [0.85, 0.70, 0.55], ``poor``
   [0.5, 0.25, 0.1]; ``zero`` is standard verification (nothing accepted: every step alike).
@@ -36,6 +37,8 @@ round's cell runs its batch again until ``--min-seconds`` (1 s) have passed, the
     python benchmarks/real_work.py --pair trained --k 2,3 --json trained.json
     python benchmarks/real_work.py --pair trained --k 3 --temperature 1.0 \
         --draft-method probabilistic --json trained-t1.json
+    python benchmarks/real_work.py --pair e2b --profiles field --k 3 --batch 8,32 \
+        --prompt-len 2048 --json e2b-long.json
     python benchmarks/real_work.py --table e2b.json   # the tables of a saved run, again
 """
 
@@ -346,8 +349,8 @@ def engine_kwargs(
 
 def kv_bytes_per_token(target: Path) -> int:
     """An upper bound of the target's KV cache bytes per token (bf16): K and V of every layer
-    that keeps its own (KV-shared layers read another's), sliding layers counted whole (the
-    runs' sequences are shorter than any window)."""
+    that keeps its own (KV-shared layers read another's), sliding layers counted whole (more
+    than they keep once a sequence outgrows the window)."""
     from gemma4_spec.validation import layer_attention_shape
 
     config = json.loads((target / "config.json").read_text())
@@ -357,18 +360,27 @@ def kv_bytes_per_token(target: Path) -> int:
     return sum(2 * heads * dim * 2 for heads, dim in shapes)
 
 
-def request_tokens(k: int) -> int:
+def request_tokens(k: int, prompt_len: int = PROMPT_LEN) -> int:
     """The most tokens a request holds in the KV cache: its prompt, its new tokens and a
     verification step's ``k`` drafts and bonus token."""
-    return PROMPT_LEN + NEW_TOKENS + k + 1
+    return prompt_len + NEW_TOKENS + k + 1
 
 
-def kv_cache_bytes(target: Path, max_batch: int, k: int) -> int:
+def kv_cache_bytes(target: Path, max_batch: int, k: int, prompt_len: int = PROMPT_LEN) -> int:
     """What one engine's KV cache is given: ``ENGINE``'s, or more where the largest batch of
     requests (``request_tokens``) would not fit it, with a quarter to spare for block
     rounding; too small a cache queues requests, and the batch measured is not ``B``."""
-    need = max_batch * request_tokens(k) * kv_bytes_per_token(target)
+    need = max_batch * request_tokens(k, prompt_len) * kv_bytes_per_token(target)
     return max(ENGINE["kv_cache_memory_bytes"], need * 5 // 4)
+
+
+def model_len(k: int, prompt_len: int = PROMPT_LEN) -> dict[str, Any]:
+    """``max_model_len`` over ``ENGINE``'s where a request (``request_tokens``) needs more, in
+    whole 256-token steps; nothing where it fits."""
+    need = request_tokens(k, prompt_len)
+    if need <= ENGINE["max_model_len"]:
+        return {}
+    return {"max_model_len": -(-need // 256) * 256}
 
 
 def kv_capacity_requests(llm: Any, tokens: int) -> float | None:
@@ -427,11 +439,15 @@ def start_profiled(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return start_in_process(args.pair, args.variant, args.k, Path(args.workdir), args.acceptance)
 
 
-def _prompts(pair: str, target: Path, count: int) -> list[dict[str, Any]]:
+def _prompts(
+    pair: str, target: Path, count: int, prompt_len: int = PROMPT_LEN
+) -> list[dict[str, Any]]:
+    """``count`` requests' prompts: random tokens, ``prompt_len`` a request, on the random
+    pairs; GSM8k questions in the chat template on the trained one."""
     if pair in RANDOM_PAIRS:
         rng = random.Random(0)
         return [
-            {"prompt_token_ids": [rng.randrange(10, 262_000) for _ in range(PROMPT_LEN)]}
+            {"prompt_token_ids": [rng.randrange(10, 262_000) for _ in range(prompt_len)]}
             for _ in range(count)
         ]
     from gemma4_spec.report import chat_prompts, gsm8k_questions
@@ -524,7 +540,10 @@ def _worker(args: argparse.Namespace) -> None:
     config = json.loads(args.config)
     target, assistant = _pair(args.pair, Path(args.workdir))
     batches = [int(b) for b in args.batch.split(",")]
-    sized = {"kv_cache_memory_bytes": kv_cache_bytes(target, max(batches), config["k"])}
+    sized = {
+        "kv_cache_memory_bytes": kv_cache_bytes(target, max(batches), config["k"], args.prompt_len),
+        **model_len(config["k"], args.prompt_len),
+    }
     kwargs = engine_kwargs(
         args.pair,
         target,
@@ -546,8 +565,8 @@ def _worker(args: argparse.Namespace) -> None:
     # What each cell compiles, captures or allocates (the engine core's work, when it runs
     # in this process): a first pass slower than the steady ones shows what it did more.
     lazy = lazy_work.LazyWork() if os.environ.get(CORE_IN_PROCESS_ENV) == "0" else None
-    capacity = kv_capacity_requests(llm, request_tokens(config["k"]))
-    prompts = _prompts(args.pair, target, max(batches))
+    capacity = kv_capacity_requests(llm, request_tokens(config["k"], args.prompt_len))
+    prompts = _prompts(args.pair, target, max(batches), args.prompt_len)
     # On Model Runner V2, greedy requests get a seed each, the same in every round and engine:
     # it changes no token, and fixes V2's synthetic acceptance draws (by request seed and
     # position), so every round and engine accepts the same drafts at the same steps: equal
@@ -684,6 +703,13 @@ def main() -> int:
         help="wait this long after every engine is ready before the first pass (the host "
         "then runs round 0 as it runs the later rounds, not fresh from the start-ups' load)",
     )
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=PROMPT_LEN,
+        help="random pairs: prompt tokens a request (long ones: a long context, where the "
+        "verification attention's choices differ; max_model_len and the KV cache follow)",
+    )
     parser.add_argument("--workdir", default="/tmp/real-work")
     parser.add_argument("--only", default=None, help="comma-separated name prefixes to run")
     parser.add_argument("--start-timeout", type=float, default=420)
@@ -772,6 +798,10 @@ def main() -> int:
             {**json.loads(args.engine), "tensor_parallel_size": args.tensor_parallel}
         )
     random_pair = args.pair in RANDOM_PAIRS
+    if args.prompt_len != PROMPT_LEN and not random_pair:
+        parser.error("--prompt-len is for the random pairs (the trained pair asks GSM8k)")
+    if args.prompt_len < 1:
+        parser.error("--prompt-len must be at least 1")
     profiles = (args.profiles or ("field,poor,zero" if random_pair else REAL)).split(",")
     known = set(PROFILES) | ({ZERO} if random_pair else {REAL})
     if not set(profiles) <= known:
@@ -829,6 +859,8 @@ def main() -> int:
                 args.engine,
                 "--temperature",
                 str(args.temperature),
+                "--prompt-len",
+                str(args.prompt_len),
                 *pinned,
                 *measure_on,
                 *["--pick-core"] * bool(measure_on and not args.any_core),
@@ -854,6 +886,7 @@ def main() -> int:
     saved = {
         "pair": args.pair,
         "new_tokens": NEW_TOKENS,
+        "prompt_len": args.prompt_len if random_pair else None,
         "temperature": args.temperature,
         "draft_method": args.draft_method,
         "tensor_parallel_size": args.tensor_parallel,
@@ -900,7 +933,8 @@ def print_tables(saved: dict[str, Any]) -> None:
     core = saved.get("engine_core", "in-process")
     print(
         f"\n{saved['pair']} pair, {sampling}, {drafts} drafts, "
-        f"up to {saved['new_tokens']} new tokens a request"
+        + (f"{saved['prompt_len']}-token prompts, " if saved.get("prompt_len") else "")
+        + f"up to {saved['new_tokens']} new tokens a request"
         + (f", TP={tp}" if tp > 1 else "")
         + (", each engine on its own CPU cores" if saved.get("pinned_cores") else "")
         + (

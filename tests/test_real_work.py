@@ -637,6 +637,21 @@ def test_kv_cache_sized_for_the_largest_batch(tmp_path: Path) -> None:
     assert per_token == 50 * 2 * 16 * 256 * 2 + 10 * 2 * 4 * 512 * 2
     assert real_work.kv_cache_bytes(target, 32, 3) == 32 * 260 * per_token * 5 // 4
     assert real_work.kv_cache_bytes(target, 1, 3) == real_work.ENGINE["kv_cache_memory_bytes"]
+    # Long prompts: the cache and max_model_len follow them.
+    assert real_work.kv_cache_bytes(target, 32, 3, 2048) == 32 * 2180 * per_token * 5 // 4
+
+
+def test_long_prompts_raise_max_model_len() -> None:
+    assert real_work.model_len(3) == {}  # 128 + 128 + 4 fits ENGINE's 1024
+    assert real_work.model_len(3, 2048) == {"max_model_len": 2304}  # 2180, in 256s
+    prompts = real_work._prompts("e2b", Path("t"), 2, prompt_len=2048)
+    assert [len(p["prompt_token_ids"]) for p in prompts] == [2048, 2048]
+
+
+def test_prompt_len_is_refused_on_the_trained_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["real_work.py", "--pair", "trained", "--prompt-len", "512"])
+    with pytest.raises(SystemExit):
+        real_work.main()
 
 
 def test_steady_cells_repeat_their_batch_for_the_minimum_time() -> None:
