@@ -12,10 +12,11 @@ Pairs and acceptance profiles:
 
 * ``e2b``: E2B-shaped random weights (``gemma4_spec.testing.e2b_shaped``), bf16, 128-token
   random prompts (``--prompt-len``: longer ones, past the 512-token sliding window, for the
-  verification attention's long-context side), 128 new tokens each (``ignore_eos``). Random weights accept nothing, so the
-  acceptance comes from vLLM's synthetic rejection sampling (``rejection_sample_method:
-  "synthetic"``, unconditional per-position rates): ``field`` [0.85, 0.70, 0.55], ``poor``
-  [0.5, 0.25, 0.1]; ``zero`` is standard verification (nothing accepted: every step alike).
+  verification attention's long-context side), 128 new tokens each (``ignore_eos``). Random
+  weights accept nothing, so the acceptance comes from vLLM's synthetic rejection sampling
+  (``rejection_sample_method: "synthetic"``, unconditional per-position rates): ``field``
+  [0.85, 0.70, 0.55], ``poor`` [0.5, 0.25, 0.1]; ``zero`` is standard verification (nothing
+  accepted: every step alike).
 * ``e4b``, ``26b-a4b``, ``31b``: the published shapes of those pairs with random bf16 weights
   (``gemma4_spec.testing.families.build_real_shape_pair``), run like ``e2b``. The 26B-A4B and
   31B targets are written as configs only and their engines draw the weights themselves
