@@ -1,9 +1,11 @@
 """Verification attention through our split kernel (``ops/split_attention_triton.py``).
 
 By default on the sliding-window layers of large verification batches (at least
-``patch_triton_attn.LARGE_VERIFY_TOKENS`` query tokens), where the engine and one layer's
-timings favour it (``benchmarks/results/h100``): its segments cover a sliding layer's window,
-not the whole sequence as vLLM's do, so a long context costs it nothing there.
+``patch_triton_attn.LARGE_VERIFY_TOKENS`` query tokens), which get fewer softmax segments
+(``patch_triton_attn``): its segments cover a sliding layer's window, not the whole sequence
+as vLLM's do, so a long context does not crowd the window into a few of the fewer segments
+(one layer's timings in ``benchmarks/results/h100``; on short contexts vLLM's kernel at 4
+segments ran the engine about as fast or faster).
 ``GEMMA4_SPEC_OWN_SPLIT_ATTENTION`` chooses otherwise: ``0`` never, ``1`` every layer of every
 verification batch, ``sliding`` the sliding-window layers of every verification batch
 (``auto``, the default, as above).
