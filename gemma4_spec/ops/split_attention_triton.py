@@ -22,6 +22,7 @@ last-arriving combine still holds.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -57,6 +58,9 @@ class SplitAttentionConfig(NamedTuple):
     num_stages: int
 
 
+# Cached: a launch outside a CUDA graph (a verification batch on piecewise graphs, eager mode)
+# asks for its sizes every layer, and Triton's next_power_of_2 costs microseconds a call.
+@functools.lru_cache(maxsize=64)
 def split_attention_config(
     max_query_len: int,
     group: int,
@@ -330,9 +334,7 @@ def split_attention(
     # On a GPU, Triton's default precision, as vLLM's attention kernel takes it (TF32 for
     # float32 operands), so that in float32 verification sees the attention plain decoding
     # computed; under the interpreter, the shared choice (float32 products, bfloat16 upcast).
-    precision, upcast = _dot_precision(q)
-    if not _interpreting():
-        precision = "tf32"
+    precision, upcast = _dot_precision(q) if _interpreting() else ("tf32", False)
     cap = segment_cap(requests * kv_heads, q.device, cfg.max_segments)
     grid = (requests, kv_heads, cap)
     _split_attention_kernel[grid](
