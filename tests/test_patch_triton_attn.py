@@ -296,18 +296,24 @@ def test_unset_segments_keep_the_builders() -> None:
 
 
 def test_large_batches_get_fewer_segments_by_default() -> None:
-    split = SplitKeyVerify(3, capacity=4, large_tokens=8)
-    small = split.rewrite(_common(3, 3), _scratch_batch())
+    split = SplitKeyVerify(3, capacity=4, large_tokens=3)
+    small = split.rewrite(_common(2, 2), _scratch_batch())
     assert small.max_query_len == 1 and small.num_par_softmax_segments == 16
-    large = split.rewrite(_common(3, 9), _scratch_batch())  # within the rows at 4 segments
+    large = split.rewrite(_common(3, 3), _scratch_batch())
     assert large.max_query_len == 1
     assert large.num_par_softmax_segments == LARGE_VERIFY_SEGMENTS
     assert large.softmax_segm_max.shape == (16, 2, LARGE_VERIFY_SEGMENTS)
     assert not hasattr(large, OWN_SPLIT_ATTR)  # our kernel only where its mode says
+    # Past the builder's split (4 tokens at 16 segments) the default leaves a batch on vLLM's
+    # one-pass kernel, as before; only a segments setting takes it onto the split.
+    beyond = split.rewrite(_common(3, 9), _scratch_batch())
+    assert beyond.max_query_len == 3 and beyond.num_par_softmax_segments == 16
+    fixed = SplitKeyVerify(3, capacity=4, segments=4, large_tokens=3)
+    assert fixed.rewrite(_common(3, 9), _scratch_batch()).num_par_softmax_segments == 4
     # A segments setting holds at every size.
-    fixed = SplitKeyVerify(3, capacity=4, segments=8, large_tokens=8)
+    eight = SplitKeyVerify(3, capacity=4, segments=8, large_tokens=8)
     for tokens in (3, 8):
-        out = fixed.rewrite(_common(3, tokens), _scratch_batch())
+        out = eight.rewrite(_common(3, tokens), _scratch_batch())
         assert out.max_query_len == 1 and out.num_par_softmax_segments == 8
 
 

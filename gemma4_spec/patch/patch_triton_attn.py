@@ -31,10 +31,12 @@ query tokens of a decode batch, so that scratch traffic grows with it. Fewer seg
 less of it, and longer walks over the keys per program; vLLM splits the whole sequence, not a
 sliding layer's window, so as the context grows a sliding layer's window falls in fewer
 programs. Hence the default for large verification batches (at least ``LARGE_VERIFY_TOKENS``
-query tokens): ``LARGE_VERIFY_SEGMENTS`` segments on the full-attention layers, and the
-sliding-window layers on our split kernel (``patch_split_attention``), whose segments cover
-the window only; smaller batches keep vLLM's 16 on its kernel (``benchmarks/results/h100``
-has the engine and one-layer figures behind both). ``GEMMA4_SPEC_VERIFY_SEGMENTS`` (a power
+query tokens, within the builder's own split: 128 tokens on one KV head, as on the E2B shape
+where it was measured, fewer on more): ``LARGE_VERIFY_SEGMENTS`` segments on the
+full-attention layers, and the sliding-window layers on our split kernel
+(``patch_split_attention``), whose segments cover the window only; smaller batches keep
+vLLM's 16 on its kernel (``benchmarks/results/h100`` has the engine and one-layer figures
+behind both). ``GEMMA4_SPEC_VERIFY_SEGMENTS`` (a power
 of two from 1 to 16) gives every verification batch that many instead. Where a batch gets
 fewer segments than the builder's, the rewrite views the builder's scratch with that many a
 row (the same memory holds proportionally more query rows) and sets the metadata's segment
@@ -165,7 +167,10 @@ class SplitKeyVerify:
 
     def rewrite(self, common: Any, metadata: Any) -> Any:
         segments = self.segments_for(common, metadata)
-        if self.applies(common, metadata, segments):
+        # Only a segments setting lets more query tokens than the builder's split holds onto
+        # the split kernel; the large-batch default stays within it (where vLLM splits: 128
+        # tokens on one KV head, fewer on more, which the measurements did not cover).
+        if self.applies(common, metadata, segments if self.segments is not None else None):
             _log_once()
             self.rewrites += 1
             metadata.max_query_len = 1
