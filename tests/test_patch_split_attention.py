@@ -254,3 +254,37 @@ def test_our_kernel_takes_the_scratch_back_to_its_segments() -> None:
     assert scratch.values.data_ptr() == four[0].data_ptr()
     kwargs["q"] = torch.zeros(129, 8, 32)  # more query tokens than 16-segment rows: keep 4
     assert patch_split_attention._scratch(kwargs).values.shape[:3] == (512, 8, 4)
+
+
+def test_by_default_only_large_batches_sliding_layers_reach_our_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # End to end on a fake backend, settings unset: the builder's set-up installs the routing;
+    # a large verification batch runs our kernel on a sliding layer and vLLM's (at the
+    # large-batch segments) on a full one; a small batch runs vLLM's on both.
+    from test_patch_triton_attn import _builder, _common, _scratch_batch
+
+    from gemma4_spec.ops import split_attention_triton
+
+    monkeypatch.setattr(split_attention_triton, "prepare_split_attention", lambda device: None)
+    monkeypatch.setattr(patch_triton_attn, "flat_verify_supported", lambda: True)
+    for name in (OWN_SPLIT_ENV, patch_triton_attn.FLAT_VERIFY_ENV, patch_triton_attn.SEGMENTS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(patch_triton_attn.LARGE_TOKENS_ENV, "3")
+    module, calls = _fake_backend()
+    monkeypatch.setitem(sys.modules, patch_triton_attn.TRITON_ATTN_MODULE, module)
+    monkeypatch.setattr(
+        patch_split_attention,
+        "run_split_attention",
+        lambda kwargs, rows: calls.append(f"ours {rows}") or "ours",
+    )
+    split = patch_triton_attn._make_split_verify(_builder(seq_threshold_3D=4))
+    assert split is not None and split.capacity == 4 and split.max_query_len == 3
+    large = split.rewrite(_common(3, 3), _scratch_batch())
+    small = split.rewrite(_common(2, 2), _scratch_batch())
+    assert large.num_par_softmax_segments == patch_triton_attn.LARGE_VERIFY_SEGMENTS
+    assert small.num_par_softmax_segments == 16
+    for metadata in (large, small):
+        for window in ((39, 0), (-1, -1)):  # a sliding layer, a full one
+            _forward(module, metadata, window_size=window)
+    assert calls == ["ours 3", "vllm", "vllm", "vllm"]
