@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -268,31 +269,35 @@ def _make_split_verify(builder: Any) -> SplitKeyVerify | None:
 def verify_segments_setting() -> int | None:
     """``GEMMA4_SPEC_VERIFY_SEGMENTS`` read: None where unset (vLLM's segments), else a power of
     two from 1 to 16."""
-    value = os.environ.get(SEGMENTS_ENV, "").strip()
-    if not value:
-        return None
-    if value.isdigit() and int(value) in SEGMENT_CHOICES:
-        return int(value)
-    raise UnsupportedConfigurationError(
-        f"{SEGMENTS_ENV}={value!r}: expected one of {', '.join(map(str, SEGMENT_CHOICES))} "
-        "(softmax segments of verification batches on the split kernel); unset it for "
-        "vLLM's 16."
+    return _number_setting(
+        SEGMENTS_ENV,
+        lambda n: n in SEGMENT_CHOICES,
+        f"one of {', '.join(map(str, SEGMENT_CHOICES))} (softmax segments of verification "
+        "batches on the split kernel); unset it for vLLM's 16.",
     )
 
 
 def large_verify_tokens() -> int:
     """``GEMMA4_SPEC_LARGE_VERIFY_TOKENS`` read: query tokens from which a verification batch
     is large (``LARGE_VERIFY_TOKENS`` where unset)."""
-    value = os.environ.get(LARGE_TOKENS_ENV, "").strip()
-    if not value:
-        return LARGE_VERIFY_TOKENS
-    if value.isdigit() and int(value) > 0:
-        return int(value)
-    raise UnsupportedConfigurationError(
-        f"{LARGE_TOKENS_ENV}={value!r}: expected a positive number of query tokens (from which "
-        f"a verification batch gets the large-batch attention); unset it for "
-        f"{LARGE_VERIFY_TOKENS}."
+    tokens = _number_setting(
+        LARGE_TOKENS_ENV,
+        lambda n: n > 0,
+        "a positive number of query tokens (from which a verification batch gets the "
+        f"large-batch attention); unset it for {LARGE_VERIFY_TOKENS}.",
     )
+    return LARGE_VERIFY_TOKENS if tokens is None else tokens
+
+
+def _number_setting(name: str, accepts: Callable[[int], bool], expected: str) -> int | None:
+    """The whole number in environment variable ``name``, None where unset; any value that is
+    not a number ``accepts`` takes is refused, saying ``expected``."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    if value.isdigit() and accepts(int(value)):
+        return int(value)
+    raise UnsupportedConfigurationError(f"{name}={value!r}: expected {expected}")
 
 
 def _log_once() -> None:
