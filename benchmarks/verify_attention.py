@@ -156,7 +156,7 @@ def _print_policies(rows: list[dict], counts: list[int]) -> None:
     names = [f"{label[a]}/{label[b]}" for a, b in policies]
     print("\nus a step, E2B's 28 sliding / 7 full layers, kernel on each (sliding/full):")
     print(f"{'B':>3s} {'ctx':>5s} " + " ".join(f"{n:>10s}" for n in names))
-    for _, batch, context in sorted({(0, r["batch"], r["context"]) for r in rows}):
+    for batch, context in sorted({(r["batch"], r["context"]) for r in rows}):
         sliding, full = (
             by.get(("sliding-256", batch, context)),
             by.get(("full-512", batch, context)),

@@ -96,14 +96,20 @@ def _fake_backend() -> tuple[ModuleType, list[str]]:
     return module, calls
 
 
-def _route(monkeypatch: pytest.MonkeyPatch, setting: str) -> tuple[ModuleType, list[str]]:
-    monkeypatch.setenv(OWN_SPLIT_ENV, setting)
+def _recording_backend(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, list[str]]:
+    """``_fake_backend``, with our kernel's calls recorded in ``calls`` too (not run)."""
     module, calls = _fake_backend()
     monkeypatch.setattr(
         patch_split_attention,
         "run_split_attention",
         lambda kwargs, rows: calls.append(f"ours {rows}") or "ours",
     )
+    return module, calls
+
+
+def _route(monkeypatch: pytest.MonkeyPatch, setting: str) -> tuple[ModuleType, list[str]]:
+    monkeypatch.setenv(OWN_SPLIT_ENV, setting)
+    module, calls = _recording_backend(monkeypatch)
     patch_split_attention.apply(module)
     return module, calls
 
@@ -271,13 +277,8 @@ def test_by_default_only_large_batches_sliding_layers_reach_our_kernel(
     for name in (OWN_SPLIT_ENV, patch_triton_attn.FLAT_VERIFY_ENV, patch_triton_attn.SEGMENTS_ENV):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(patch_triton_attn.LARGE_TOKENS_ENV, "3")
-    module, calls = _fake_backend()
+    module, calls = _recording_backend(monkeypatch)
     monkeypatch.setitem(sys.modules, patch_triton_attn.TRITON_ATTN_MODULE, module)
-    monkeypatch.setattr(
-        patch_split_attention,
-        "run_split_attention",
-        lambda kwargs, rows: calls.append(f"ours {rows}") or "ours",
-    )
     split = patch_triton_attn._make_split_verify(_builder(seq_threshold_3D=4))
     assert split is not None and split.capacity == 4 and split.max_query_len == 3
     large = split.rewrite(_common(3, 3), _scratch_batch())
