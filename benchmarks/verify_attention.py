@@ -10,7 +10,9 @@ attention), block size 16, bf16. Each variant in a CUDA graph, cold L2 (``centro
 harness), median of ``--reps`` replays, in us. ``split s=N``: the split kernel with N softmax
 segments instead of vLLM's 16 (``GEMMA4_SPEC_VERIFY_SEGMENTS``; ``-``/NaN where its scratch
 cannot hold the batch); ``ours``: ``ops/split_attention_triton.py`` (segments over the keys the
-request attends, picked from their count, summed by the last segment program: one launch).
+request attends, picked from their count, summed by the last segment program: one launch), on
+a scratch as wide as the engine's (vLLM's, sized for the largest head: 512 on the sliding
+layers too).
 Last, a table of what those rows add up to in a step of E2B's target (28 sliding and 7 full
 layers) for each kernel choice on the sliding and the full layers.
 
@@ -45,6 +47,7 @@ from gemma4_spec.testing.triton_attention import (  # noqa: E402
 HEADS, KV_HEADS, BLOCK = 8, 1, 16
 LAYERS = {"sliding-256": (256, 512), "full-512": (512, 0)}
 E2B_LAYERS = {"sliding-256": 28, "full-512": 7}  # the target's layers of each kind
+SCRATCH_HEAD = max(head for head, _ in LAYERS.values())  # vLLM sizes its scratch for this
 
 
 def _measure(
@@ -77,7 +80,8 @@ def _measure(
             flush,
         )
 
-    ours_scratch = split_attention_scratch(batch * q_len, HEADS, head_dim, device)
+    # vLLM's scratch, which ours reuses in the engine, is as wide as the model's largest head.
+    ours_scratch = split_attention_scratch(batch * q_len, HEADS, SCRATCH_HEAD, device)
     prepare_split_attention(device)
 
     def ours() -> torch.Tensor:

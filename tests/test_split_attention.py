@@ -82,6 +82,7 @@ def _check(cases: tuple, dtypes: tuple, device: str) -> None:
 def _check_kernel_against_reference(device: str) -> None:
     _check(SMALL_CASES, (torch.float32, torch.bfloat16), device)
     _check_fewer_segments(device)
+    _check_wide_scratch(SMALL_CASES[0], device)
 
 
 def _check_fewer_segments(device: str) -> None:
@@ -100,6 +101,62 @@ def _check_fewer_segments(device: str) -> None:
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+def _wide_scratch(q: torch.Tensor, widen: int) -> object:
+    """A scratch ``widen`` times as wide as the head needs, as vLLM's is on Gemma 4's sliding
+    layers (sized for the model's largest head, 512, where they have 256)."""
+    from gemma4_spec.ops.split_attention_triton import MAX_SEGMENTS, split_attention_scratch
+
+    tokens, heads, head_dim = q.shape
+    narrow = split_attention_scratch(tokens, heads, head_dim, q.device)
+    wide = narrow.values.new_full(
+        (tokens, heads, MAX_SEGMENTS, narrow.values.shape[-1] * widen), 7.0
+    )
+    return type(narrow)(wide, narrow.maxima, narrow.sums)
+
+
+def _check_wide_scratch(case: tuple, device: str) -> None:
+    """Segments' partial values laid out at the scratch's width: the same attention."""
+    from gemma4_spec.ops.split_attention_triton import split_attention
+
+    q, k, v, table, seq_lens, starts, q_len, scale, window, softcap = _batch(
+        case, torch.float32, device, seed=0
+    )
+    got = split_attention(
+        q, k, v, table, seq_lens, starts, q_len, scale, window, softcap, scratch=_wide_scratch(q, 2)
+    )
+    want = split_attention_reference(q, k, v, table, seq_lens, starts, scale, window, softcap)
+    tol = 1e-5 if device == "cpu" else 2e-3
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_tiles_follow_the_head_not_the_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On vLLM's scratch, twice as wide as a sliding layer's head, the launch's tiles are still
+    the head's width (wider ones double the work and the registers) and the scratch's width is
+    passed as its stride."""
+    from gemma4_spec.ops import split_attention_triton as m
+
+    launches: list[tuple[tuple, dict]] = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple) -> object:
+            return lambda *args, **kwargs: launches.append((args, kwargs))
+
+    monkeypatch.setattr(m, "_split_attention_kernel", Recorder())
+    q, k, v, table, seq_lens, starts, q_len, scale, _, _ = _batch(
+        E2B_CASES[0], torch.bfloat16, "cpu", seed=0
+    )
+    scratch = _wide_scratch(q, 2)
+    m.split_attention(q, k, v, table, seq_lens, starts, q_len, scale, scratch=scratch)
+    ((args, kwargs),) = launches
+    assert kwargs["HEAD_PAD"] == 256
+    # No window, no other size of 512 (strides, blocks): the one int of 512 is the scratch's.
+    assert [a for a in args if isinstance(a, int)].count(512) == 1
+    with pytest.raises(ValueError, match="at least 256 wide"):
+        narrow = type(scratch)(scratch.values[..., :128].contiguous(), *scratch[1:])
+        m.split_attention(q, k, v, table, seq_lens, starts, q_len, scale, scratch=narrow)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA tests cover it)")
 def test_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
@@ -110,6 +167,7 @@ def test_kernel_matches_reference_under_interpreter(check_under_interpreter) -> 
 def test_kernel_matches_reference_cuda() -> None:
     _check(SMALL_CASES + E2B_CASES, (torch.float32, torch.bfloat16), "cuda")
     _check_fewer_segments("cuda")
+    _check_wide_scratch(E2B_CASES[0], "cuda")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

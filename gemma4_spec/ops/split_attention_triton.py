@@ -51,6 +51,7 @@ class SplitAttentionConfig(NamedTuple):
     """Block sizes of one launch."""
 
     block_m: int  # rows: query tokens x query heads of one KV head, a power of two >= 16
+    head_pad: int  # the head size, padded to a power of two: the tiles' width
     tile: int
     min_keys: int
     max_segments: int
@@ -78,7 +79,7 @@ def split_attention_config(
     # The float32 accumulator is block_m x head floats a program: more warps to hold a large one.
     wide = block_m * head_pad >= 8192
     return SplitAttentionConfig(
-        block_m, tile, MIN_KEYS, max_segments, num_warps=8 if wide else 4, num_stages=2
+        block_m, head_pad, tile, MIN_KEYS, max_segments, num_warps=8 if wide else 4, num_stages=2
     )
 
 
@@ -106,7 +107,7 @@ if HAS_TRITON:
         table_ptr,  # [R, max blocks]
         seq_lens_ptr,  # [R]
         starts_ptr,  # [R + 1]
-        acc_ptr,  # [T, Hq, MAX_SEGMENTS, D_PAD] fp32 scratch
+        acc_ptr,  # [T, Hq, MAX_SEGMENTS, scratch_head >= HEAD_PAD] fp32 scratch
         max_ptr,  # [T, Hq, MAX_SEGMENTS] fp32 scratch
         sum_ptr,  # [T, Hq, MAX_SEGMENTS] fp32 scratch
         counter_ptr,  # [R * Hkv] int32, zero on entry and on exit
@@ -114,6 +115,7 @@ if HAS_TRITON:
         softcap,
         window,
         block_size,
+        scratch_head,  # the scratch's last dimension: a segment's values, apart
         min_keys,  # keys per segment, at least
         cap,  # segments a request, at most (<= MAX_SEGMENTS)
         stride_qt,
@@ -130,7 +132,7 @@ if HAS_TRITON:
         NUM_HEADS: tl.constexpr,  # Hq
         GROUP: tl.constexpr,  # Hq / Hkv
         HEAD: tl.constexpr,  # D
-        HEAD_PAD: tl.constexpr,
+        HEAD_PAD: tl.constexpr,  # HEAD padded to a power of two (not the scratch's width)
         BLOCK_M: tl.constexpr,
         TILE: tl.constexpr,
         MAX_SEGMENTS: tl.constexpr,
@@ -230,7 +232,7 @@ if HAS_TRITON:
                 tl.store(max_ptr + part + s, m_i, mask=row_ok)
                 tl.store(sum_ptr + part + s, l_i, mask=row_ok)
                 tl.store(
-                    acc_ptr + (part + s)[:, None] * HEAD_PAD + offs_d[None, :],
+                    acc_ptr + (part + s)[:, None] * scratch_head + offs_d[None, :],
                     acc,
                     mask=row_ok[:, None],
                 )
@@ -264,7 +266,7 @@ if HAS_TRITON:
                     total = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
                     for s2 in range(0, segments):
                         a_s = tl.load(
-                            acc_ptr + (part + s2)[:, None] * HEAD_PAD + offs_d[None, :],
+                            acc_ptr + (part + s2)[:, None] * scratch_head + offs_d[None, :],
                             mask=row_ok[:, None],
                             other=0.0,
                             cache_modifier=".cg",
@@ -281,7 +283,9 @@ if HAS_TRITON:
 class SplitAttentionScratch(NamedTuple):
     """Float32 partial results of the segments: weighted values, maxima, sums."""
 
-    values: torch.Tensor  # [T, Hq, MAX_SEGMENTS, D_PAD]
+    # [T, Hq, MAX_SEGMENTS, W], W >= the head size padded to a power of two: vLLM's scratch,
+    # which this may be, is as wide as the model's largest head (512 for Gemma 4's full layers)
+    values: torch.Tensor
     maxima: torch.Tensor  # [T, Hq, MAX_SEGMENTS]
     sums: torch.Tensor
 
@@ -331,6 +335,11 @@ def split_attention(
     )
     if cfg.block_m < max_query_len * group or cfg.max_segments > scratch.values.shape[2]:
         raise ValueError(f"split_attention: {cfg} cannot hold {max_query_len} x {group} rows")
+    if scratch.values.shape[-1] < cfg.head_pad or not scratch.values.is_contiguous():
+        raise ValueError(
+            f"split_attention: a contiguous scratch at least {cfg.head_pad} wide is needed, "
+            f"not {tuple(scratch.values.shape)}"
+        )
     # On a GPU, Triton's default precision, as vLLM's attention kernel takes it (TF32 for
     # float32 operands), so that in float32 verification sees the attention plain decoding
     # computed; under the interpreter, the shared choice (float32 products, bfloat16 upcast).
@@ -340,11 +349,11 @@ def split_attention(
     _split_attention_kernel[grid](
         q, key_cache, value_cache, out, block_table, seq_lens, starts, scratch.values,
         scratch.maxima, scratch.sums, counters, scale, softcap, window, key_cache.shape[1],
-        cfg.min_keys, cap,
+        scratch.values.shape[-1], cfg.min_keys, cap,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), out.stride(0),
         out.stride(1), block_table.stride(0), NUM_HEADS=heads, GROUP=group, HEAD=head_dim,
-        HEAD_PAD=scratch.values.shape[-1], BLOCK_M=cfg.block_m, TILE=cfg.tile,
+        HEAD_PAD=cfg.head_pad, BLOCK_M=cfg.block_m, TILE=cfg.tile,
         MAX_SEGMENTS=cfg.max_segments, SOFTCAP=softcap > 0,
         WINDOWED=window > 0, PRECISION=precision, UPCAST=upcast, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
