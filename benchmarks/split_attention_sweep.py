@@ -9,8 +9,13 @@ replays, in us; a ``!`` marks a variant whose output strays from the torch refer
 (``split_attention_reference``) by more than bf16 rounding. The last column is the fastest
 variant of each row, the first is the defaults.
 
+``--scratch-width N`` replaces the sweep by the defaults on three scratches: one as wide as the
+head (``head``), one ``N`` wide as vLLM's in the engine (``wide``: Gemma 4's is 512 on every
+layer), and the same with tiles ``N`` wide (``wide tiles``: the launch before 906c07d, which
+took its tiles' width from the scratch).
+
     python benchmarks/split_attention_sweep.py [--batch 1,8,16,32,64] [--context 256,2048]
-        [--k 3] [--reps 100] [--json out.json]
+        [--k 3] [--reps 100] [--scratch-width 512] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from centroid_argmax import _time_cuda  # noqa: E402
 from gemma4_spec.ops.split_attention import split_attention_reference  # noqa: E402
 from gemma4_spec.ops.split_attention_triton import (  # noqa: E402
     SplitAttentionConfig,
+    SplitAttentionScratch,
     prepare_split_attention,
     split_attention,
     split_attention_config,
@@ -56,12 +62,33 @@ def _label(c: SplitAttentionConfig) -> str:
     return f"t{c.tile}/m{c.min_keys}/w{c.num_warps}/s{c.num_stages}"
 
 
+def _scratch(tokens: int, head_dim: int, width: int, device: torch.device) -> SplitAttentionScratch:
+    """A scratch ``width`` wide (at least the head's padded width)."""
+    scratch = split_attention_scratch(tokens, HEADS, head_dim, device)
+    if width <= scratch.values.shape[-1]:
+        return scratch
+    values = scratch.values.new_empty((*scratch.values.shape[:-1], width))
+    return scratch._replace(values=values)
+
+
+def _width_variants(
+    defaults: SplitAttentionConfig, tokens: int, head_dim: int, width: int, device: torch.device
+) -> list[tuple[str, SplitAttentionConfig, SplitAttentionScratch]]:
+    wide = _scratch(tokens, head_dim, width, device)
+    return [
+        ("head", defaults, _scratch(tokens, head_dim, 0, device)),
+        ("wide", defaults, wide),
+        ("wide tiles", defaults._replace(head_pad=max(defaults.head_pad, width)), wide),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", default="1,8,16,32,64")
     parser.add_argument("--context", default="256,2048")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--reps", type=int, default=100)
+    parser.add_argument("--scratch-width", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -71,7 +98,6 @@ def main() -> None:
     rows = []
     for name, (head_dim, window) in LAYERS.items():
         defaults = split_attention_config(q_len, HEADS // KV_HEADS, head_dim)
-        variants = _variants(defaults)
         for context in (int(c) for c in args.context.split(",")):
             for batch in (int(b) for b in args.batch.split(",")):
                 blocks = (context + q_len + BLOCK - 1) // BLOCK
@@ -84,24 +110,37 @@ def main() -> None:
                 starts = (torch.arange(batch + 1, device=device) * q_len).int()
                 seq_lens = torch.full((batch,), context + q_len, device=device).int()
                 scratch = split_attention_scratch(batch * q_len, HEADS, head_dim, device)
+                variants = (
+                    _width_variants(defaults, batch * q_len, head_dim, args.scratch_width, device)
+                    if args.scratch_width
+                    else [(_label(c), c, scratch) for c in _variants(defaults)]
+                )
                 scale = head_dim**-0.5
                 want = split_attention_reference(
                     q.float(), keys.float(), values.float(), table, seq_lens, starts, scale,
                     window,
                 )  # fmt: skip
                 times: dict[str, float] = {}
-                for config in variants:
+                for label, config, space in variants:
                     out = torch.empty_like(q)
 
                     run = functools.partial(
                         split_attention, q, keys, values, table, seq_lens, starts, q_len, scale,
-                        window, out=out, scratch=scratch, config=config,
+                        window, out=out, scratch=space, config=config,
                     )  # fmt: skip
                     run()
                     torch.cuda.synchronize()
                     wrong = (out.float() - want).abs().max().item() > 2e-2
                     us = _time_cuda(run, args.reps, flush)
-                    times[_label(config) + ("!" if wrong else "")] = us
+                    times[label + ("!" if wrong else "")] = us
+                if args.scratch_width:
+                    print(
+                        f"{name:12s} B={batch:3d} ctx={context:5d}  "
+                        + "  ".join(f"{label} {us:7.1f}" for label, us in times.items()),
+                        flush=True,
+                    )
+                    rows.append(dict(layer=name, batch=batch, context=context, k=args.k, us=times))
+                    continue
                 best = min(times, key=times.__getitem__)
                 first = next(iter(times))
                 print(
