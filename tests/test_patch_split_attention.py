@@ -32,7 +32,9 @@ def _vllm_call(device: str, dtype: torch.dtype = torch.float32, window: int = 40
     seq_lens = torch.tensor([150, 37, 190, 0], dtype=torch.int32, device=device)
     starts = torch.tensor([0, 4, 8, 12, 12], dtype=torch.int32, device=device)
     q = torch.randn(requests * q_len + 2, heads, head, generator=gen).to(dtype).to(device)
-    rows, padded = 128, 32
+    # vLLM sizes the scratch for the model's largest head, on every layer (Gemma 4: 512 on its
+    # 256-wide sliding layers): here twice this layer's.
+    rows, padded = 128, 2 * head
     return dict(
         q=q, k=key_cache, v=value_cache, out=torch.full_like(q, float("nan")),
         cu_seqlens_q=starts, max_seqlen_q=1, seqused_k=seq_lens, max_seqlen_k=190,
@@ -180,6 +182,8 @@ def test_unknown_setting_is_a_clear_error_before_start_up(
         {"causal": False},
         {"chunk_lookback": 1},
         {"softmax_segm_output": None},
+        {"softmax_segm_output": torch.empty(128, 8, 16, 16)},  # narrower than the head's tiles
+        {"softmax_segm_output": torch.empty(128, 8, 64, 16).transpose(2, 3)},  # not contiguous
     ],
 )
 def test_what_our_kernel_does_not_do_stays_on_vllms(routed: tuple, change: dict) -> None:

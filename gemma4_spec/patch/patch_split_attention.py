@@ -136,6 +136,10 @@ def supported(kwargs: dict[str, Any]) -> bool:
         and window[1] in (0, -1)
         and kwargs.get("softmax_segm_output") is not None
         and kwargs["softmax_segm_output"].shape[0] >= q.shape[0]
+        # vLLM sizes its scratch for the model's largest head: at least as wide as this one's
+        # tiles (the head padded to a power of two) wherever vLLM's own kernel runs.
+        and kwargs["softmax_segm_output"].shape[-1] >= 1 << (q.shape[-1] - 1).bit_length()
+        and kwargs["softmax_segm_output"].is_contiguous()
     )
 
 
