@@ -62,21 +62,12 @@ def _label(c: SplitAttentionConfig) -> str:
     return f"t{c.tile}/m{c.min_keys}/w{c.num_warps}/s{c.num_stages}"
 
 
-def _scratch(tokens: int, head_dim: int, width: int, device: torch.device) -> SplitAttentionScratch:
-    """A scratch ``width`` wide (at least the head's padded width)."""
-    scratch = split_attention_scratch(tokens, HEADS, head_dim, device)
-    if width <= scratch.values.shape[-1]:
-        return scratch
-    values = scratch.values.new_empty((*scratch.values.shape[:-1], width))
-    return scratch._replace(values=values)
-
-
 def _width_variants(
     defaults: SplitAttentionConfig, tokens: int, head_dim: int, width: int, device: torch.device
 ) -> list[tuple[str, SplitAttentionConfig, SplitAttentionScratch]]:
-    wide = _scratch(tokens, head_dim, width, device)
+    wide = split_attention_scratch(tokens, HEADS, head_dim, device, width)
     return [
-        ("head", defaults, _scratch(tokens, head_dim, 0, device)),
+        ("head", defaults, split_attention_scratch(tokens, HEADS, head_dim, device)),
         ("wide", defaults, wide),
         ("wide tiles", defaults._replace(head_pad=max(defaults.head_pad, width)), wide),
     ]

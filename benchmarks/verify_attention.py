@@ -81,7 +81,7 @@ def _measure(
         )
 
     # vLLM's scratch, which ours reuses in the engine, is as wide as the model's largest head.
-    ours_scratch = split_attention_scratch(batch * q_len, HEADS, SCRATCH_HEAD, device)
+    ours_scratch = split_attention_scratch(batch * q_len, HEADS, head_dim, device, SCRATCH_HEAD)
     prepare_split_attention(device)
 
     def ours() -> torch.Tensor:

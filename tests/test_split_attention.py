@@ -103,15 +103,14 @@ def _check_fewer_segments(device: str) -> None:
 
 def _wide_scratch(q: torch.Tensor, widen: int) -> object:
     """A scratch ``widen`` times as wide as the head needs, as vLLM's is on Gemma 4's sliding
-    layers (sized for the model's largest head, 512, where they have 256)."""
-    from gemma4_spec.ops.split_attention_triton import MAX_SEGMENTS, split_attention_scratch
+    layers (sized for the model's largest head, 512, where they have 256), filled with what
+    no segment writes."""
+    from gemma4_spec.ops.split_attention_triton import padded_head, split_attention_scratch
 
     tokens, heads, head_dim = q.shape
-    narrow = split_attention_scratch(tokens, heads, head_dim, q.device)
-    wide = narrow.values.new_full(
-        (tokens, heads, MAX_SEGMENTS, narrow.values.shape[-1] * widen), 7.0
-    )
-    return type(narrow)(wide, narrow.maxima, narrow.sums)
+    wide = split_attention_scratch(tokens, heads, head_dim, q.device, padded_head(head_dim) * widen)
+    wide.values.fill_(7.0)
+    return wide
 
 
 def _check_wide_scratch(case: tuple, device: str) -> None:

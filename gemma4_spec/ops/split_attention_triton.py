@@ -72,7 +72,7 @@ def split_attention_config(
     """Sizes for requests of up to ``max_query_len`` query tokens, ``max_segments`` (a power
     of two: the scratch's segments per row) and keys of ``element_size`` bytes."""
     block_m = max(16, triton.next_power_of_2(max_query_len * group))
-    head_pad = triton.next_power_of_2(head_dim)
+    head_pad = padded_head(head_dim)
     tile = TILE
     while tile > 16 and tile * head_pad * element_size > TILE_BYTES:
         tile //= 2
@@ -81,6 +81,18 @@ def split_attention_config(
     return SplitAttentionConfig(
         block_m, head_pad, tile, MIN_KEYS, max_segments, num_warps=8 if wide else 4, num_stages=2
     )
+
+
+def padded_head(head_dim: int) -> int:
+    """The tiles' width for a head of ``head_dim``: the next power of two."""
+    return 1 << (head_dim - 1).bit_length()
+
+
+def scratch_fits(values: torch.Tensor, head_dim: int) -> bool:
+    """Whether ``values`` can hold a head of ``head_dim``'s partial results: contiguous, each
+    segment's row at least the tiles' width (it may be wider: vLLM's, sized for the model's
+    largest head)."""
+    return values.shape[-1] >= padded_head(head_dim) and values.is_contiguous()
 
 
 def segment_cap(programs: int, device: torch.device, max_segments: int = MAX_SEGMENTS) -> int:
@@ -291,10 +303,11 @@ class SplitAttentionScratch(NamedTuple):
 
 
 def split_attention_scratch(
-    tokens: int, heads: int, head_dim: int, device: torch.device
+    tokens: int, heads: int, head_dim: int, device: torch.device, width: int = 0
 ) -> SplitAttentionScratch:
-    """Scratch for launches of up to ``tokens`` query tokens (allocate once, outside capture)."""
-    padded = triton.next_power_of_2(head_dim)
+    """Scratch for launches of up to ``tokens`` query tokens (allocate once, outside capture),
+    ``width`` wide where that is more than the head needs (as vLLM's is, in the engine)."""
+    padded = max(padded_head(head_dim), width)
     return SplitAttentionScratch(
         torch.empty(tokens, heads, MAX_SEGMENTS, padded, dtype=torch.float32, device=device),
         torch.empty(tokens, heads, MAX_SEGMENTS, dtype=torch.float32, device=device),
@@ -335,7 +348,7 @@ def split_attention(
     )
     if cfg.block_m < max_query_len * group or cfg.max_segments > scratch.values.shape[2]:
         raise ValueError(f"split_attention: {cfg} cannot hold {max_query_len} x {group} rows")
-    if scratch.values.shape[-1] < cfg.head_pad or not scratch.values.is_contiguous():
+    if not scratch_fits(scratch.values, cfg.head_pad):  # the tiles' width, as ``config`` has it
         raise ValueError(
             f"split_attention: a contiguous scratch at least {cfg.head_pad} wide is needed, "
             f"not {tuple(scratch.values.shape)}"

@@ -126,6 +126,8 @@ def apply(module: ModuleType) -> None:
 
 def supported(kwargs: dict[str, Any]) -> bool:
     """Whether our kernel computes this ``unified_attention`` call."""
+    from gemma4_spec.ops.split_attention_triton import scratch_fits
+
     q, k = kwargs["q"], kwargs["k"]
     window = kwargs.get("window_size") or (-1, -1)
     return (
@@ -136,10 +138,9 @@ def supported(kwargs: dict[str, Any]) -> bool:
         and window[1] in (0, -1)
         and kwargs.get("softmax_segm_output") is not None
         and kwargs["softmax_segm_output"].shape[0] >= q.shape[0]
-        # vLLM sizes its scratch for the model's largest head: at least as wide as this one's
-        # tiles (the head padded to a power of two) wherever vLLM's own kernel runs.
-        and kwargs["softmax_segm_output"].shape[-1] >= 1 << (q.shape[-1] - 1).bit_length()
-        and kwargs["softmax_segm_output"].is_contiguous()
+        # vLLM sizes its scratch for the model's largest head: wide enough wherever its own
+        # kernel runs.
+        and scratch_fits(kwargs["softmax_segm_output"], q.shape[-1])
     )
 
 
