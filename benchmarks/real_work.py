@@ -87,6 +87,17 @@ ENGINE: dict[str, Any] = dict(
     disable_log_stats=False,
 )
 PLAIN_ENV = {"VLLM_PLUGINS": "none"}  # plain decoding: vLLM alone
+
+
+def _attention_form(own_split: str, segments: int | None = None) -> dict[str, Any]:
+    """Ours on V2 with one verification-attention form: ``GEMMA4_SPEC_OWN_SPLIT_ATTENTION``,
+    and ``GEMMA4_SPEC_VERIFY_SEGMENTS`` where ``segments`` is given."""
+    env = {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": own_split}
+    if segments is not None:
+        env["GEMMA4_SPEC_VERIFY_SEGMENTS"] = str(segments)
+    return {"env": env, "spec": {}}
+
+
 # How each speculative engine runs: its environment and speculative-config additions.
 VARIANTS: dict[str, dict[str, Any]] = {
     "in-tree": {"env": PLAIN_ENV, "spec": {}},
@@ -125,62 +136,21 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     # The verification attention before the large-batch default (patch/patch_triton_attn.py):
     # vLLM's split kernel at its 16 segments for every verification batch, ours never.
-    "ours-V2-vllm16": {
-        "env": {
-            "VLLM_USE_V2_MODEL_RUNNER": "1",
-            "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "0",
-            "GEMMA4_SPEC_VERIFY_SEGMENTS": "16",
-        },
-        "spec": {},
-    },
+    "ours-V2-vllm16": _attention_form("0", 16),
     # The split-key verification with fewer softmax segments than vLLM's 16 at every batch
     # size (GEMMA4_SPEC_VERIFY_SEGMENTS): less scratch written and reduced per query token.
-    "ours-V2-seg8": {
-        "env": {
-            "VLLM_USE_V2_MODEL_RUNNER": "1",
-            "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "0",
-            "GEMMA4_SPEC_VERIFY_SEGMENTS": "8",
-        },
-        "spec": {},
-    },
+    "ours-V2-seg8": _attention_form("0", 8),
     # Verification attention through our split kernel (ops/split_attention_triton.py) for
     # every verification batch (GEMMA4_SPEC_OWN_SPLIT_ATTENTION=1): segments over the attended
     # keys, their count from the key count, one launch a layer.
-    "ours-V2-ownsplit": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "1"},
-        "spec": {},
-    },
+    "ours-V2-ownsplit": _attention_form("1"),
     # Our split kernel for the sliding-window layers of every verification batch (it lost to
     # vLLM's on the full ones in one layer's timings), and the same with vLLM's at 8 or 4
     # segments for the full layers (the default's large-batch form, at every size).
-    "ours-V2-ownsliding": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "sliding"},
-        "spec": {},
-    },
-    "ours-V2-ownsliding-seg8": {
-        "env": {
-            "VLLM_USE_V2_MODEL_RUNNER": "1",
-            "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "sliding",
-            "GEMMA4_SPEC_VERIFY_SEGMENTS": "8",
-        },
-        "spec": {},
-    },
-    "ours-V2-ownsliding-seg4": {
-        "env": {
-            "VLLM_USE_V2_MODEL_RUNNER": "1",
-            "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "sliding",
-            "GEMMA4_SPEC_VERIFY_SEGMENTS": "4",
-        },
-        "spec": {},
-    },
-    "ours-V2-seg4": {
-        "env": {
-            "VLLM_USE_V2_MODEL_RUNNER": "1",
-            "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": "0",
-            "GEMMA4_SPEC_VERIFY_SEGMENTS": "4",
-        },
-        "spec": {},
-    },
+    "ours-V2-ownsliding": _attention_form("sliding"),
+    "ours-V2-ownsliding-seg8": _attention_form("sliding", 8),
+    "ours-V2-ownsliding-seg4": _attention_form("sliding", 4),
+    "ours-V2-seg4": _attention_form("0", 4),
     # vLLM's own V2 speculator (its draft prefill and step graphs) drafting with our model:
     # what our V2 draft loop (patch/patch_v2_speculator.py) earns.
     "ours-V2-vllmloop": {
