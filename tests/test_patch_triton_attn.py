@@ -334,7 +334,9 @@ def test_bad_segments_setting_is_refused_before_the_engine(
         _check_environment()
 
 
-@pytest.mark.parametrize(("value", "parsed"), [("", 128), ("8", 8), (" 96 ", 96)])
+@pytest.mark.parametrize(
+    ("value", "parsed"), [("", patch_triton_attn.LARGE_VERIFY_TOKENS), ("8", 8), (" 96 ", 96)]
+)
 def test_large_tokens_setting(monkeypatch: pytest.MonkeyPatch, value: str, parsed: int) -> None:
     monkeypatch.setenv(LARGE_TOKENS_ENV, value)
     assert patch_triton_attn.large_verify_tokens() == parsed

@@ -5,7 +5,7 @@ By default on the sliding-window layers of large verification batches (at least
 (``patch_triton_attn``): its segments cover a sliding layer's window, not the whole sequence
 as vLLM's do, so a long context does not crowd the window into a few of the fewer segments
 (one layer's timings in ``benchmarks/results/h100``; on short contexts vLLM's kernel at 4
-segments ran the engine about as fast or faster).
+segments ran the engine about as fast, and at 2048-token prompts slower).
 ``GEMMA4_SPEC_OWN_SPLIT_ATTENTION`` chooses otherwise: ``0`` never, ``1`` every layer of every
 verification batch, ``sliding`` the sliding-window layers of every verification batch
 (``auto``, the default, as above).

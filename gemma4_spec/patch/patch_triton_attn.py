@@ -79,11 +79,13 @@ FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
 SPLIT_VERIFY_MAX_TOKENS = int(os.environ.get("GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS", "128"))
 SEGMENTS_ENV = "GEMMA4_SPEC_VERIFY_SEGMENTS"
 SEGMENT_CHOICES = (1, 2, 4, 8, 16)
-# Large verification batches: from this many query tokens (k=3 at B=32 on the E2B shape), where
-# the engine ran faster with fewer segments than at 16 (module docstring). Settable with
+# Large verification batches: from this many query tokens (k=3 at B=16, k=2 at B=32 on the E2B
+# shape), where the engine ran as fast or faster with their form than with vLLM's 16 segments;
+# below it, at 24-48 tokens and at B=1, the two ran alike or the form lost (module docstring;
+# benchmarks/results/h100, twenty-seventh session). Settable with
 # GEMMA4_SPEC_LARGE_VERIFY_TOKENS (the GPU engine test lowers it to reach small batches).
 LARGE_TOKENS_ENV = "GEMMA4_SPEC_LARGE_VERIFY_TOKENS"
-LARGE_VERIFY_TOKENS = 128
+LARGE_VERIFY_TOKENS = 64
 LARGE_VERIFY_SEGMENTS = 4
 
 logger = get_logger(__name__)
