@@ -63,11 +63,13 @@ def _label(c: SplitAttentionConfig) -> str:
 
 
 def _width_variants(
-    defaults: SplitAttentionConfig, tokens: int, head_dim: int, width: int, device: torch.device
+    defaults: SplitAttentionConfig, head_wide: SplitAttentionScratch, width: int
 ) -> list[tuple[str, SplitAttentionConfig, SplitAttentionScratch]]:
-    wide = split_attention_scratch(tokens, HEADS, head_dim, device, width)
+    """The defaults on ``head_wide`` and on a scratch ``width`` wide, and that with wide tiles."""
+    tokens, heads, _, head = head_wide.values.shape
+    wide = split_attention_scratch(tokens, heads, head, head_wide.values.device, width)
     return [
-        ("head", defaults, split_attention_scratch(tokens, HEADS, head_dim, device)),
+        ("head", defaults, head_wide),
         ("wide", defaults, wide),
         ("wide tiles", defaults._replace(head_pad=max(defaults.head_pad, width)), wide),
     ]
@@ -102,7 +104,7 @@ def main() -> None:
                 seq_lens = torch.full((batch,), context + q_len, device=device).int()
                 scratch = split_attention_scratch(batch * q_len, HEADS, head_dim, device)
                 variants = (
-                    _width_variants(defaults, batch * q_len, head_dim, args.scratch_width, device)
+                    _width_variants(defaults, scratch, args.scratch_width)
                     if args.scratch_width
                     else [(_label(c), c, scratch) for c in _variants(defaults)]
                 )
