@@ -151,6 +151,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ours-V2-ownsliding-seg8": _attention_form("sliding", 8),
     "ours-V2-ownsliding-seg4": _attention_form("sliding", 4),
     "ours-V2-seg4": _attention_form("0", 4),
+    # The draft's attention on our split kernel (GEMMA4_SPEC_OWN_DRAFT_ATTENTION): one launch a
+    # draft layer where vLLM's split kernel takes two, segments from the keys attended.
+    "ours-V2-owndraft": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_DRAFT_ATTENTION": "1"},
+        "spec": {},
+    },
+    "ours-V2-owndraft-sliding": {
+        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_DRAFT_ATTENTION": "sliding"},
+        "spec": {},
+    },
     # vLLM's own V2 speculator (its draft prefill and step graphs) drafting with our model:
     # what our V2 draft loop (patch/patch_v2_speculator.py) earns.
     "ours-V2-vllmloop": {

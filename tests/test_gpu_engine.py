@@ -219,6 +219,8 @@ ATTENTION_VARIANTS = {
     # The default for large verification batches (our kernel on the sliding layers, vLLM's at
     # 4 segments on the full ones), from 8 query tokens so that this test's batches reach it.
     "own-large-batch-default": {"GEMMA4_SPEC_LARGE_VERIFY_TOKENS": "8"},
+    # The draft's attention on our kernel (every draft layer), the verification's as default.
+    "own-draft": {"GEMMA4_SPEC_OWN_DRAFT_ATTENTION": "1"},
 }
 
 

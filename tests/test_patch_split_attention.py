@@ -200,6 +200,52 @@ def test_off_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _forward(module, SimpleNamespace(**{OWN_SPLIT_ATTR: 4})) == "vllm"
 
 
+@pytest.mark.parametrize("verification", ["0", "auto", "1"])
+def test_marked_draft_batches_run_our_kernel_on_the_layers_their_mode_names(
+    monkeypatch: pytest.MonkeyPatch, verification: str
+) -> None:
+    # The draft's marks (one query a request) route by their own mode, whatever the
+    # verification's: installed for the draft alone where the verification's is off.
+    monkeypatch.setenv(OWN_SPLIT_ENV, verification)
+    module, calls = _recording_backend(monkeypatch)
+    patch_split_attention.apply(module, draft=True)
+    every, sliding = SimpleNamespace(), SimpleNamespace()
+    patch_split_attention.mark_draft(every, "all")
+    patch_split_attention.mark_draft(sliding, "sliding")
+    assert _forward(module, every, window_size=(-1, -1)) == "ours"
+    assert _forward(module, every, window_size=(39, 0)) == "ours"
+    assert _forward(module, sliding, window_size=(-1, -1)) == "vllm"
+    assert _forward(module, sliding, window_size=(39, 0)) == "ours"
+    assert _forward(module, SimpleNamespace(), window_size=(39, 0)) == "vllm"  # unmarked
+    assert calls == ["ours 1", "ours 1", "vllm", "ours 1", "vllm"]
+    # Verification marks still follow the verification's mode ("0": never ours).
+    expected = "vllm" if verification == "0" else "ours"
+    assert _forward(module, SimpleNamespace(**{OWN_SPLIT_ATTR: 4}), window_size=(39, 0)) == expected
+
+
+@pytest.mark.parametrize("value", ["2", "full", "on"])
+def test_unknown_draft_setting_is_a_clear_error_before_start_up(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from gemma4_spec.checks import _check_environment
+    from gemma4_spec.validation import UnsupportedConfigurationError
+
+    monkeypatch.setenv(patch_split_attention.DRAFT_ENV, value)
+    with pytest.raises(UnsupportedConfigurationError, match="expected 0 .* 1 .* sliding"):
+        _check_environment()
+    for value, mode in (("0", None), ("1", "all"), ("sliding", "sliding")):
+        monkeypatch.setenv(patch_split_attention.DRAFT_ENV, value)
+        _check_environment()
+        assert patch_split_attention.own_draft_mode() == mode
+    monkeypatch.delenv(patch_split_attention.DRAFT_ENV)
+    assert patch_split_attention.own_draft_mode() is None  # off by default
+
+
+def test_draft_routing_stays_off_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(patch_split_attention.DRAFT_ENV, "1")
+    assert patch_split_attention.route_draft(torch.device("cpu")) is None
+
+
 def test_apply_wraps_once(routed: tuple) -> None:
     module, _ = routed
     wrapped = module.unified_attention

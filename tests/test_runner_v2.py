@@ -37,6 +37,7 @@ class _Speculator(Gemma4LoopSpeculator):
     def __init__(self, k: int, manager: Any = None, dp_size: int = 1) -> None:  # no super()
         self.num_speculative_steps = k
         self.dp_size = dp_size
+        self.device = torch.device("cpu")
         self.supports_mm_inputs = False
         self.max_model_len = 4096
         self.eplb_state = None
@@ -60,7 +61,7 @@ class _Speculator(Gemma4LoopSpeculator):
                 self.input_buffers.query_start_loc[: n + 1].tolist(),
             )
         )
-        return {"metadata": n}
+        return {"layer.0": SimpleNamespace(rows=n), "layer.1": SimpleNamespace(rows=n)}
 
     def _run_model(self, num_tokens: int, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return _step(
@@ -147,6 +148,25 @@ def test_eager_loop_drafts_from_each_requests_last_accepted_token(k: int) -> Non
     assert (spec.loop_eager, spec.loop_replays) == (1, 0)
     # The keys end at the last accepted token: 30 - 2 rejected; one query per request.
     assert spec.built == [([28, 51, 70], [0, 1, 2, 3])]
+
+
+def test_draft_batches_marked_for_our_attention_only_where_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gemma4_spec.patch import patch_split_attention as routing
+
+    batch, inputs = _verified_batch()
+    marked = []
+    for mode in (None, "sliding"):
+        spec = _Speculator(2)
+        built = {"layer.0": SimpleNamespace(), "layer.1": SimpleNamespace()}
+        monkeypatch.setattr(spec, "_build_draft_attn_metadata", lambda b=built, **kw: b.copy())
+        monkeypatch.setattr(
+            "gemma4_spec.spec_decode.runner_v2.route_draft", lambda device, m=mode: m
+        )
+        assert _propose(spec, batch, inputs).tolist() == _expected(2)
+        marked.append([getattr(m, routing.DRAFT_ATTR, None) for m in built.values()])
+    assert marked == [[None, None], ["sliding", "sliding"]]
 
 
 class _Manager:

@@ -25,6 +25,13 @@ chunked sliding windows).
 
 Under CUDA graphs the choice is taken at capture, from the same batch mark as the rewrite's.
 vLLM versions: ``compat.FLAT_VERIFY_VLLM`` (0.26), as the rewrite.
+
+The draft's attention (one query a request, over the target's cache) can take our kernel too:
+``GEMMA4_SPEC_OWN_DRAFT_ATTENTION`` = ``1`` (every draft layer) or ``sliding`` (the draft's
+sliding-window layers), off by default (``0``) until the engine benchmark says otherwise. Our
+V2 draft loop (``spec_decode/runner_v2.py``) marks its batches with ``mark_draft``; one launch
+a layer where vLLM's split kernel takes two, and segments sized to the keys a request attends
+(vLLM splits a short context into as many segments as a long one).
 """
 
 from __future__ import annotations
@@ -32,13 +39,17 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
+import sys
 from types import ModuleType
 from typing import Any
+
+import torch
 
 from gemma4_spec.patch.hooks import is_ours, ours
 from gemma4_spec.validation import UnsupportedConfigurationError
 
 OWN_SPLIT_ENV = "GEMMA4_SPEC_OWN_SPLIT_ATTENTION"
+TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 # The setting's values and modes: "all" (every layer) and "sliding" (the sliding-window layers)
 # of every verification batch; "auto" the sliding-window layers of large ones.
 OWN_SPLIT_MODES = {"1": "all", "sliding": "sliding", "auto": "auto"}
@@ -47,6 +58,11 @@ SLIDING_ONLY_MODES = ("sliding", "auto")
 # Set by patch_triton_attn on a rewritten verification batch's metadata that our kernel is to
 # run: its longest request's query tokens (the rows of one program of our kernel).
 OWN_SPLIT_ATTR = "_gemma4_spec_own_split"
+DRAFT_ENV = "GEMMA4_SPEC_OWN_DRAFT_ATTENTION"
+DRAFT_MODES = {"1": "all", "sliding": "sliding"}
+# Set with OWN_SPLIT_ATTR by ``mark_draft`` on a draft batch's metadata: the layers our kernel
+# runs for it ("all" or "sliding"), whatever the verification's mode.
+DRAFT_ATTR = "_gemma4_spec_own_split_draft"
 # unified_attention's arguments that our kernel leaves to vLLM's when they are set.
 UNSUPPORTED_ARGS = (
     "alibi_slopes",
@@ -84,11 +100,50 @@ def own_split_mode() -> str | None:
     )
 
 
-def apply(module: ModuleType) -> None:
+def own_draft_mode() -> str | None:
+    """``GEMMA4_SPEC_OWN_DRAFT_ATTENTION`` read: None (unset or "0": vLLM's kernel), "all" or
+    "sliding"."""
+    value = os.environ.get(DRAFT_ENV, "").strip() or "0"
+    if value == "0":
+        return None
+    if value in DRAFT_MODES:
+        return DRAFT_MODES[value]
+    raise UnsupportedConfigurationError(
+        f"{DRAFT_ENV}={value!r}: expected 0 (the default: the draft's attention on vLLM's "
+        "kernel), 1 (every draft layer on our split kernel) or sliding (the draft's "
+        "sliding-window layers only)."
+    )
+
+
+def route_draft(device: torch.device) -> str | None:
+    """Where the draft's attention goes to our kernel, make it ready (the device's counters,
+    outside any graph capture; the kernel call's routing, if vLLM's Triton backend is loaded)
+    and return the mode for ``mark_draft``; None where it stays on vLLM's."""
+    mode = own_draft_mode()
+    backend = sys.modules.get(TRITON_ATTN_MODULE)
+    if mode is None or device.type != "cuda" or backend is None:
+        return None
+    from gemma4_spec.ops.split_attention_triton import prepare_split_attention
+
+    prepare_split_attention(device)
+    apply(backend, draft=True)
+    return mode
+
+
+def mark_draft(metadata: Any, mode: str) -> None:
+    """Send a draft batch's attention (one query token a request) to our kernel, on the
+    layers ``mode`` names."""
+    setattr(metadata, OWN_SPLIT_ATTR, 1)
+    setattr(metadata, DRAFT_ATTR, mode)
+
+
+def apply(module: ModuleType, draft: bool = False) -> None:
+    """Route marked batches' attention calls to our kernel: the verification's, by
+    ``own_split_mode``; with ``draft``, also where only the draft's marks need it."""
     mode = own_split_mode()
-    if mode is None:
+    if mode is None and not draft:
         return
-    sliding_only = mode in SLIDING_ONLY_MODES
+    sliding_only = mode is None or mode in SLIDING_ONLY_MODES
     impl = getattr(module, "TritonAttentionImpl", None)
     if impl is None or is_ours(impl.forward):
         return
@@ -108,12 +163,16 @@ def apply(module: ModuleType) -> None:
 
     @functools.wraps(original_attention)
     def unified_attention(*args: Any, **kwargs: Any) -> Any:
-        rows = getattr(_metadata.get(None), OWN_SPLIT_ATTR, None)
+        metadata = _metadata.get(None)
+        rows = getattr(metadata, OWN_SPLIT_ATTR, None)
+        draft = getattr(metadata, DRAFT_ATTR, None)
+        layers_sliding = sliding_only if draft is None else draft == "sliding"
         if (
             args
             or rows is None
+            or (draft is None and mode is None)
             or not supported(kwargs)
-            or (sliding_only and _window_of(kwargs) == 0)
+            or (layers_sliding and _window_of(kwargs) == 0)
         ):
             return original_attention(*args, **kwargs)
         global _calls

@@ -64,12 +64,15 @@ from gemma4_spec.compat import flat_verify_supported
 from gemma4_spec.log import get_logger
 from gemma4_spec.patch import patch_split_attention
 from gemma4_spec.patch.hooks import is_ours, ours
-from gemma4_spec.patch.patch_split_attention import OWN_SPLIT_ATTR, own_split_mode
+from gemma4_spec.patch.patch_split_attention import (
+    OWN_SPLIT_ATTR,
+    TRITON_ATTN_MODULE,
+    own_split_mode,
+)
 from gemma4_spec.patch.patch_vllm_config import drafts_with_gemma4_mtp
 from gemma4_spec.switches import turned_off
 from gemma4_spec.validation import UnsupportedConfigurationError
 
-TRITON_ATTN_MODULE = "vllm.v1.attention.backends.triton_attn"
 FLAT_VERIFY_ENV = "GEMMA4_SPEC_FLAT_VERIFY"
 # Up to this many query tokens a verification batch goes to the split kernel (and no more than
 # its scratch holds: 128 rows for one KV head, fewer for more). 128 leaves the scratch as the

@@ -36,6 +36,7 @@ from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.spec_decode.gemma4.speculator import Gemma4Speculator
 
 from gemma4_spec.ops.draft_inputs import DraftStepBuffers, RunnerV2Step, stage_runner_v2_inputs
+from gemma4_spec.patch.patch_split_attention import mark_draft, route_draft
 
 
 class Gemma4LoopSpeculator(Gemma4Speculator):
@@ -56,6 +57,15 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         )
         self.loop_replays = 0  # proposals replayed from a draft-loop graph
         self.loop_eager = 0  # proposals run eagerly through the same loop
+        # Where the draft's attention goes to our split kernel (patch_split_attention): its
+        # layers ("all" or "sliding"), None on vLLM's; set up before the first capture or
+        # eager run (False: not yet).
+        self._own_attention: str | None | bool = False
+
+    def _draft_attention(self) -> str | None:
+        if self._own_attention is False:
+            self._own_attention = route_draft(self.device)
+        return self._own_attention  # type: ignore[return-value]
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
         """vLLM's graph managers, without the speculation-length schedule
@@ -85,6 +95,7 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         manager = self.decode_cudagraph_manager
         if manager is None or not manager.needs_capture():
             return
+        self._draft_attention()  # outside the capture: our kernel's counters
         manager.capture(
             self._draft_loop,
             self.model_state,
@@ -164,6 +175,7 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
                 self.loop_replays += 1
             else:
                 attn = None
+                self._draft_attention()
                 if not (dummy_run and skip_attn_for_dummy_run):
                     longest = int(input_batch.seq_lens_cpu_upper_bound[:num_reqs].max())
                     self.draft_max_seq_len = min(longest, self.max_model_len)
@@ -201,6 +213,10 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         mappings are not needed; the keys and positions stay those of the staged rows."""
         del num_reqs  # every staged row is drafted; padding rows have no keys
         n = num_tokens
+        own_attention = self._own_attention
+        if isinstance(own_attention, str) and attn_metadata is not None:
+            for metadata in attn_metadata.values():
+                mark_draft(metadata, own_attention)
         positions = self.input_buffers.positions[:n]
         idx_mapping = self.idx_mapping[:n]
         steps = self.num_speculative_steps
