@@ -482,6 +482,25 @@ def scopes_per_step(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
     return host_scopes.per_step(after, before, max(steps, 1))
 
 
+def request_timing(outputs: list[Any], accepted_length: float | None) -> dict[str, float]:
+    """What a cell's requests saw (vLLM's request stats, with log stats on; medians over the
+    requests): the first token's latency, and a decode step's time (the span from the first
+    token to the last over the steps it took, at the cell's mean accepted length), the
+    prefill apart from the decode steps. Empty where the stats are missing."""
+    first, step = [], []
+    for o in outputs:
+        m = getattr(o, "metrics", None)
+        tokens = len(o.outputs[0].token_ids)
+        if m is None or not getattr(m, "first_token_ts", 0.0) or tokens < 2:
+            continue
+        first.append(m.first_token_latency * 1e3)
+        steps = (tokens - 1) / (accepted_length or 1.0)
+        step.append((m.last_token_ts - m.first_token_ts) * 1e3 / steps)
+    if not first:
+        return {}
+    return {"first_token_ms": statistics.median(first), "decode_step_ms": statistics.median(step)}
+
+
 def timed_passes(
     run_once: Callable[[], Any],
     min_seconds: float,
@@ -631,6 +650,12 @@ def _worker(args: argparse.Namespace) -> None:
                 runs[str(b)][-1]["lazy"] = lazy.since(lazy_before)
             if args.scopes:
                 runs[str(b)][-1]["scopes"] = scopes_per_step(scopes, host_scopes.snapshot())
+            runs[str(b)][-1].update(
+                request_timing(
+                    [o for outputs in passes for o in outputs],
+                    runs[str(b)][-1]["mean_accepted_length"],
+                )
+            )
             if args.pair == "trained":  # compared with plain's in the tables
                 runs[str(b)][-1]["token_ids"] = [list(o.outputs[0].token_ids) for o in passes[0]]
             if rnd == 0 and args.next_passes:
@@ -970,6 +995,7 @@ def print_tables(saved: dict[str, Any]) -> None:
             cells.append(f"{min(tps):7.0f} - {max(tps):7.0f}")
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
     _print_host(results, batches)
+    _print_request_timing(results, batches)
     _print_first_passes(results, batches)
     _print_host_drift(results, saved.get("turns", []), batches, saved.get("settle_s"))
     _print_idle_engines(saved.get("turns", []))
@@ -1183,6 +1209,25 @@ def _print_host(results: dict[str, Any], batches: list[str]) -> None:
             spread = statistics.median(max(r["pass_s"]) / min(r["pass_s"]) for r in steady)
             cells.append(f"{cpu:4.2f} | {spread:4.2f}")
         print(f"{name:24}{'':8}" + "".join(f"{c:>34}" for c in cells))
+
+
+def _print_request_timing(results: dict[str, Any], batches: list[str]) -> None:
+    """Steady cells' medians of ``request_timing``: a step's time apart from the prefill."""
+    cells = [c for r in results.values() for b in batches for c in r["runs"][b][1:]]
+    if not any("decode_step_ms" in c for c in cells):
+        return
+    print("\nsteady cells (medians): a request's first token ms | its decode steps' ms a step")
+    for name, result in results.items():
+        row = []
+        for b in batches:
+            steady = [c for c in result["runs"][b][1:] if "decode_step_ms" in c]
+            if not steady:
+                row.append(f"{'-':>34}")
+                continue
+            first = statistics.median(c["first_token_ms"] for c in steady)
+            step = statistics.median(c["decode_step_ms"] for c in steady)
+            row.append(f"{first:8.1f} | {step:6.3f}".rjust(34))
+        print(f"{name:32}" + "".join(row))
 
 
 def _print_first_passes(results: dict[str, Any], batches: list[str]) -> None:

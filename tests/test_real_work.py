@@ -899,3 +899,35 @@ def test_a_first_pass_is_shown_against_the_passes_right_after_it(tmp_path: Path)
     assert "next: 310.0 (first x next 1.03)" in line
     targets = text.split("\ntargets:")[1].splitlines()[1]
     assert "first 0.488 (1.03 x next)" in targets  # 100 of a steady 205
+
+
+def _request(first_latency: float, first: float, last: float, tokens: int) -> Any:
+    metrics = SimpleNamespace(
+        first_token_latency=first_latency, first_token_ts=first, last_token_ts=last
+    )
+    return SimpleNamespace(metrics=metrics, outputs=[SimpleNamespace(token_ids=[0] * tokens)])
+
+
+def test_request_timing_separates_the_prefill_from_the_decode_steps() -> None:
+    # 9 tokens after the first, at 2 accepted a step: 4.5 steps over 45 ms = 10 ms a step.
+    outputs = [
+        _request(0.020, 100.0, 100.045, 10),
+        _request(0.030, 100.0, 100.090, 10),  # 20 ms a step
+        _request(0.025, 100.0, 100.054, 10),  # 12 ms a step
+        SimpleNamespace(metrics=None, outputs=[SimpleNamespace(token_ids=[1, 2])]),  # no stats
+    ]
+    timing = real_work.request_timing(outputs, 2.0)
+    assert timing["first_token_ms"] == pytest.approx(25.0)
+    assert timing["decode_step_ms"] == pytest.approx(12.0)
+    assert real_work.request_timing(outputs[3:], 2.0) == {}
+
+
+def test_tables_show_the_decode_step_apart_from_the_first_token(tmp_path: Path) -> None:
+    saved = _saved_run()
+    for runs in saved["results"]["ours-V1 k=3 real"]["runs"].values():
+        for i, cell in enumerate(runs):
+            cell.update(first_token_ms=30.0 + i, decode_step_ms=4.0 + i)
+    out = _tables(saved, tmp_path)
+    table = out.split("decode steps' ms a step\n")[1].split("\n\n")[0]
+    (line,) = [row for row in table.splitlines() if "ours" in row]
+    assert "31.5 |  5.500" in line  # rounds 1 and 2: medians of 31, 32 and of 5, 6
