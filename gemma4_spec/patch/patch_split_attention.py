@@ -88,31 +88,37 @@ def own_split_calls() -> int:
 def own_split_mode() -> str | None:
     """``GEMMA4_SPEC_OWN_SPLIT_ATTENTION`` read: None ("0": off), "all", "sliding" or "auto"
     (unset: the default)."""
-    value = os.environ.get(OWN_SPLIT_ENV, "").strip() or "auto"
-    if value == "0":
-        return None
-    if value in OWN_SPLIT_MODES:
-        return OWN_SPLIT_MODES[value]
-    raise UnsupportedConfigurationError(
-        f"{OWN_SPLIT_ENV}={value!r}: expected auto (the default: the sliding-window layers of "
-        "large verification batches through our split kernel), 1 (every layer's verification "
-        "attention), sliding (the sliding-window layers' only) or 0 (vLLM's kernel)."
+    return _mode_setting(
+        OWN_SPLIT_ENV,
+        "auto",
+        OWN_SPLIT_MODES,
+        "auto (the default: the sliding-window layers of large verification batches through "
+        "our split kernel), 1 (every layer's verification attention), sliding (the "
+        "sliding-window layers' only) or 0 (vLLM's kernel).",
     )
 
 
 def own_draft_mode() -> str | None:
     """``GEMMA4_SPEC_OWN_DRAFT_ATTENTION`` read: None (unset or "0": vLLM's kernel), "all" or
     "sliding"."""
-    value = os.environ.get(DRAFT_ENV, "").strip() or "0"
+    return _mode_setting(
+        DRAFT_ENV,
+        "0",
+        DRAFT_MODES,
+        "0 (the default: the draft's attention on vLLM's kernel), 1 (every draft layer on our "
+        "split kernel) or sliding (the draft's sliding-window layers only).",
+    )
+
+
+def _mode_setting(name: str, default: str, modes: dict[str, str], expected: str) -> str | None:
+    """The mode environment variable ``name`` names (``default`` where unset), None for "0";
+    any other value is refused, saying ``expected``."""
+    value = os.environ.get(name, "").strip() or default
     if value == "0":
         return None
-    if value in DRAFT_MODES:
-        return DRAFT_MODES[value]
-    raise UnsupportedConfigurationError(
-        f"{DRAFT_ENV}={value!r}: expected 0 (the default: the draft's attention on vLLM's "
-        "kernel), 1 (every draft layer on our split kernel) or sliding (the draft's "
-        "sliding-window layers only)."
-    )
+    if value in modes:
+        return modes[value]
+    raise UnsupportedConfigurationError(f"{name}={value!r}: expected {expected}")
 
 
 def route_draft(device: torch.device) -> str | None:

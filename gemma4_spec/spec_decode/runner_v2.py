@@ -59,13 +59,14 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         self.loop_eager = 0  # proposals run eagerly through the same loop
         # Where the draft's attention goes to our split kernel (patch_split_attention): its
         # layers ("all" or "sliding"), None on vLLM's; set up before the first capture or
-        # eager run (False: not yet).
-        self._own_attention: str | None | bool = False
+        # eager run.
+        self._own_attention: str | None = None
+        self._own_attention_set_up = False
 
-    def _draft_attention(self) -> str | None:
-        if self._own_attention is False:
+    def _draft_attention(self) -> None:
+        if not self._own_attention_set_up:
             self._own_attention = route_draft(self.device)
-        return self._own_attention  # type: ignore[return-value]
+            self._own_attention_set_up = True
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
         """vLLM's graph managers, without the speculation-length schedule
@@ -213,10 +214,9 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         mappings are not needed; the keys and positions stay those of the staged rows."""
         del num_reqs  # every staged row is drafted; padding rows have no keys
         n = num_tokens
-        own_attention = self._own_attention
-        if isinstance(own_attention, str) and attn_metadata is not None:
+        if self._own_attention is not None and attn_metadata is not None:
             for metadata in attn_metadata.values():
-                mark_draft(metadata, own_attention)
+                mark_draft(metadata, self._own_attention)
         positions = self.input_buffers.positions[:n]
         idx_mapping = self.idx_mapping[:n]
         steps = self.num_speculative_steps
