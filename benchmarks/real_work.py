@@ -89,13 +89,20 @@ ENGINE: dict[str, Any] = dict(
 PLAIN_ENV = {"VLLM_PLUGINS": "none"}  # plain decoding: vLLM alone
 
 
+def _on_v2(spec: dict[str, Any] | None = None, **env: str) -> dict[str, Any]:
+    """Ours on Model Runner V2 with the plugin settings ``env`` and speculative-config
+    additions ``spec``."""
+    return {"env": {"VLLM_USE_V2_MODEL_RUNNER": "1", **env}, "spec": spec or {}}
+
+
 def _attention_form(own_split: str, segments: int | None = None) -> dict[str, Any]:
     """Ours on V2 with one verification-attention form: ``GEMMA4_SPEC_OWN_SPLIT_ATTENTION``,
     and ``GEMMA4_SPEC_VERIFY_SEGMENTS`` where ``segments`` is given."""
-    env = {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_SPLIT_ATTENTION": own_split}
-    if segments is not None:
-        env["GEMMA4_SPEC_VERIFY_SEGMENTS"] = str(segments)
-    return {"env": env, "spec": {}}
+    if segments is None:
+        return _on_v2(GEMMA4_SPEC_OWN_SPLIT_ATTENTION=own_split)
+    return _on_v2(
+        GEMMA4_SPEC_OWN_SPLIT_ATTENTION=own_split, GEMMA4_SPEC_VERIFY_SEGMENTS=str(segments)
+    )
 
 
 # How each speculative engine runs: its environment and speculative-config additions.
@@ -105,7 +112,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # with our model and centroid argmax. With VLLM_USE_V2_MODEL_RUNNER unset ours runs on
     # the plugin's default.
     "ours-V1": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "spec": {}},
-    "ours-V2": {"env": {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "spec": {}},
+    "ours-V2": _on_v2(),
     # Ours on V1 without its V1-only host shortcuts (vLLM's own verification index arrays,
     # carried-token writes and draft-start methods; Triton launches and draft sampling not
     # replayed from graphs), the whole-loop draft graph kept: what those shortcuts earn on
@@ -123,17 +130,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     # Diagnostic, not run unless named in --variants: ours on V2 without the split-key
     # verification attention (patch/patch_triton_attn.py), to measure what it earns in one run.
-    "ours-V2-noflat": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY": "0"},
-        "spec": {},
-    },
+    "ours-V2-noflat": _on_v2(GEMMA4_SPEC_FLAT_VERIFY="0"),
     # The split-key verification attention up to 32 query tokens (its default before
     # GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS became 128): what the larger verification batches
     # (k=3 at B = 16 / 32, k=2 at B = 32) gain on the split kernel.
-    "ours-V2-split32": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS": "32"},
-        "spec": {},
-    },
+    "ours-V2-split32": _on_v2(GEMMA4_SPEC_FLAT_VERIFY_MAX_TOKENS="32"),
     # The verification attention before the large-batch default (patch/patch_triton_attn.py):
     # vLLM's split kernel at its 16 segments for every verification batch, ours never.
     "ours-V2-vllm16": _attention_form("0", 16),
@@ -153,76 +154,41 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ours-V2-seg4": _attention_form("0", 4),
     # The draft's attention on our split kernel (GEMMA4_SPEC_OWN_DRAFT_ATTENTION): one launch a
     # draft layer where vLLM's split kernel takes two, segments from the keys attended.
-    "ours-V2-owndraft": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_DRAFT_ATTENTION": "1"},
-        "spec": {},
-    },
-    "ours-V2-owndraft-sliding": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_OWN_DRAFT_ATTENTION": "sliding"},
-        "spec": {},
-    },
+    "ours-V2-owndraft": _on_v2(GEMMA4_SPEC_OWN_DRAFT_ATTENTION="1"),
+    "ours-V2-owndraft-sliding": _on_v2(GEMMA4_SPEC_OWN_DRAFT_ATTENTION="sliding"),
     # vLLM's own V2 speculator (its draft prefill and step graphs) drafting with our model:
     # what our V2 draft loop (patch/patch_v2_speculator.py) earns.
-    "ours-V2-vllmloop": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_V2_DRAFT_LOOP": "0"},
-        "spec": {},
-    },
+    "ours-V2-vllmloop": _on_v2(GEMMA4_SPEC_V2_DRAFT_LOOP="0"),
     # V2's own rejection sampling for greedy batches (patch/patch_v2_rejection_sampler.py
     # off): what our greedy verification earns (with synthetic acceptance too, which it draws
     # as V2 does).
-    "ours-V2-vllmverify": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_GREEDY_VERIFY": "0"},
-        "spec": {},
-    },
+    "ours-V2-vllmverify": _on_v2(GEMMA4_SPEC_GREEDY_VERIFY="0"),
     # vLLM's dynamic speculation length (num_speculative_tokens_per_batch_size; capped at the
     # run's k): fewer drafts where the batch is large and verifying them costs more than they
     # earn at poor acceptance. Diagnostic: whether a schedule by batch size gives the
     # GPU-bound rows what a fixed k cannot.
-    "ours-V2-dynk": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1"},
-        "spec": {"num_speculative_tokens_per_batch_size": [[1, 8, 3], [9, 32, 2], [33, 1024, 1]]},
-    },
+    "ours-V2-dynk": _on_v2(
+        spec={"num_speculative_tokens_per_batch_size": [[1, 8, 3], [9, 32, 2], [33, 1024, 1]]}
+    ),
     # The assistant's projections through cuBLAS (F.linear) instead of our small-rows kernel
     # (ops/small_linear.py, GEMMA4_SPEC_SMALL_LINEAR=0): what the kernel earns in one run.
-    "ours-V2-cublas": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_SMALL_LINEAR": "0"},
-        "spec": {},
-    },
+    "ours-V2-cublas": _on_v2(GEMMA4_SPEC_SMALL_LINEAR="0"),
     # Ours' greedy verification as it ran before 227381e: vLLM's soft-capped logits, verified
     # eagerly (GEMMA4_SPEC_UNCAPPED_VERIFY=0, GEMMA4_SPEC_GRAPHED_VERIFY=0); in 971a10f / 79128f0
     # runs named "ours-V2" (the uncapped one was "ours-V2-uncapped").
-    "ours-V2-capped": {
-        "env": {
-            "VLLM_USE_V2_MODEL_RUNNER": "1",
-            "GEMMA4_SPEC_UNCAPPED_VERIFY": "0",
-            "GEMMA4_SPEC_GRAPHED_VERIFY": "0",
-        },
-        "spec": {},
-    },
+    "ours-V2-capped": _on_v2(GEMMA4_SPEC_UNCAPPED_VERIFY="0", GEMMA4_SPEC_GRAPHED_VERIFY="0"),
     # The verification from uncapped logits, launched eagerly (no start-up graphs,
     # spec_decode/verify_graphs.py); in 5009256's run named "ours-V2-uncapped".
-    "ours-V2-eagerverify": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_GRAPHED_VERIFY": "0"},
-        "spec": {},
-    },
+    "ours-V2-eagerverify": _on_v2(GEMMA4_SPEC_GRAPHED_VERIFY="0"),
     # vLLM's own allocate_slots for every request a step (patch/patch_allocate_slots.py off):
     # what the decode-step short cut earns in one run.
-    "ours-V2-vllmalloc": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_FAST_ALLOCATE": "0"},
-        "spec": {},
-    },
+    "ours-V2-vllmalloc": _on_v2(GEMMA4_SPEC_FAST_ALLOCATE="0"),
     # Without the start-up upload of the runner's CUDA graphs (spec_decode/graph_upload.py):
     # what it changes in a first pass at each batch size.
-    "ours-V2-noupload": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_GRAPH_UPLOAD": "0"},
-        "spec": {},
-    },
+    "ours-V2-noupload": _on_v2(GEMMA4_SPEC_GRAPH_UPLOAD="0"),
     # Without the start-up compilation of small prefill batches (patch/patch_v2_warmup.py):
     # what it changes in a first pass.
-    "ours-V2-nowarm": {
-        "env": {"VLLM_USE_V2_MODEL_RUNNER": "1", "GEMMA4_SPEC_PREFILL_WARMUP": "0"},
-        "spec": {},
-    },
+    "ours-V2-nowarm": _on_v2(GEMMA4_SPEC_PREFILL_WARMUP="0"),
 }
 DEFAULT_VARIANTS = ("in-tree", "ours-V1", "ours-V2")
 # What the profilers can start: plain decoding (drafting nothing) or a speculative variant.
