@@ -32,6 +32,9 @@
 #   chain: instead of step 1 (carry part00): the small-rows matmul's CUDA tests and the
 #         draft layer chain with cuBLAS and our kernel (benchmarks/draft_chain.py); torch +
 #         triton only
+#   attention-chain: after 'install', our split attention's CUDA tests and verify_attention.py
+#         with --chain 28 (as in the engine's graphs) and our kernel at other sizes; the
+#         real-work variant to try goes to /tmp/split_variant (benchmarks/pick_split_sizes.py)
 #   attention-sweep: our split verification attention's CUDA tests and its block-size sweep
 #         (benchmarks/split_attention_sweep.py; no vLLM: chain it after 'part')
 #   attention-kernels: after 'install', our split verification attention's and the segment
@@ -57,7 +60,7 @@
 # .devexp/tf + .devexp/ours with 'install'; the MoE kernels in a call of their own. The machine
 # goes cold after 30 s without a call, and a cold machine has lost every staged part.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-sweep|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|profile|profile-real|tp2}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-chain|attention-sweep|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
@@ -193,6 +196,22 @@ attention-kernels)  # after 'install': the verification attention kernels, tests
     timeout 300 python3 benchmarks/verify_attention.py --k 3 --batch 1,8,16,32,64 \
         --context 256,2048 --segments 8,4 --reps 100 --json "$OUT/verify_attention.json" 2>&1 \
         | grep -v Warning | tee "$OUT/verify_attention.log"
+    ;;
+attention-chain)  # after 'install': our split kernel's CUDA tests, then verify_attention.py
+    # as the engine runs it (28 layers a graph), k=2, with our kernel at other sizes
+    # (CHAIN_SIZES), and the real-work variant pick_split_sizes.py makes of it
+    # (written to /tmp/split_variant for a 'real' call after this one)
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    timeout 120 python3 -m pytest -q tests/test_split_attention.py \
+        > "$OUT/test_split_attention_cuda.log" 2>&1
+    echo "split attention tests rc=$?"; tail -2 "$OUT/test_split_attention_cuda.log"
+    sizes=${CHAIN_SIZES:-m128,m256,m1024,w4,m128_w4,m1024_w4,s1,s3,m128_s3,m1024_s3,t32,m1024_t32}
+    timeout "${CHAIN_TIMEOUT:-300}" python3 benchmarks/verify_attention.py --k "${CHAIN_K:-2}" \
+        --chain 28 --reps 30 --batch 1,8,16,32,64 --context 256,2048 --segments 4 \
+        --ours "$sizes" --json "$OUT/verify_attention_chain.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/verify_attention_chain.log"
+    python3 benchmarks/pick_split_sizes.py "$OUT/verify_attention_chain.json" \
+        > /tmp/split_variant && cat /tmp/split_variant
     ;;
 attention-sweep)  # no vLLM needed: our split attention's CUDA tests and its block-size sweep
     export PYTHONPATH=${PYTHONPATH:-$PWD}

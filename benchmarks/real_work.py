@@ -191,6 +191,32 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "ours-V2-nowarm": _on_v2(GEMMA4_SPEC_PREFILL_WARMUP="0"),
 }
 DEFAULT_VARIANTS = ("in-tree", "ours-V1", "ours-V2")
+# Settings a variant can add to ours-V2 by name, "ours-V2+sizes=m128_w4+large=48": the plugin
+# setting each short name stands for.
+SETTINGS = {
+    "sizes": "GEMMA4_SPEC_SPLIT_ATTENTION_SIZES",
+    "large": "GEMMA4_SPEC_LARGE_VERIFY_TOKENS",
+    "own": "GEMMA4_SPEC_OWN_SPLIT_ATTENTION",
+    "draft": "GEMMA4_SPEC_OWN_DRAFT_ATTENTION",
+    "segments": "GEMMA4_SPEC_VERIFY_SEGMENTS",
+}
+
+
+def variant(name: str) -> dict[str, Any]:
+    """A variant's {env, spec}: one of ``VARIANTS``, or ``ours-V2+<setting>=<value>...`` (the
+    settings' short names in ``SETTINGS``), ours-V2 with those plugin settings."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    base, *settings = name.split("+")
+    pairs = [setting.partition("=") for setting in settings]
+    if base != "ours-V2" or not pairs or any(k not in SETTINGS or not v for k, _, v in pairs):
+        raise SystemExit(
+            f"unknown variant {name!r}: one of {list(VARIANTS)}, or ours-V2+<setting>=<value> "
+            f"with settings of {list(SETTINGS)}"
+        )
+    return _on_v2(**{SETTINGS[k]: v for k, _, v in pairs})
+
+
 # What the profilers can start: plain decoding (drafting nothing) or a speculative variant.
 ENGINE_VARIANTS = ("plain", *VARIANTS)
 
@@ -216,11 +242,11 @@ def configurations(
             spec = acceptance_spec(profile, k)
             if draft_method != "greedy":
                 spec["draft_sample_method"] = draft_method
-            for variant in variants:
-                configs[f"{variant} k={k} {profile}"] = {
-                    "env": VARIANTS[variant]["env"],
+            for name in variants:
+                configs[f"{name} k={k} {profile}"] = {
+                    "env": variant(name)["env"],
                     "k": k,
-                    "spec": {**spec, **VARIANTS[variant]["spec"]},
+                    "spec": {**spec, **variant(name)["spec"]},
                 }
     return configs
 
@@ -343,11 +369,11 @@ def kv_capacity_requests(llm: Any, tokens: int) -> float | None:
         return None
 
 
-def enter_variant(variant: str) -> dict[str, Any]:
-    """Put this process in ``variant``'s environment (one of ``ENGINE_VARIANTS``), with the
+def enter_variant(name: str) -> dict[str, Any]:
+    """Put this process in variant ``name``'s environment (``plain`` or a ``variant``), with the
     engine core in this process (where a profiler sees it); returns its speculative-config
     additions. Before anything imports vLLM."""
-    chosen = {"env": PLAIN_ENV, "spec": {}} if variant == "plain" else VARIANTS[variant]
+    chosen = {"env": PLAIN_ENV, "spec": {}} if name == "plain" else variant(name)
     os.environ.update(chosen["env"])
     os.environ.setdefault(CORE_IN_PROCESS_ENV, "0")
     return chosen["spec"]

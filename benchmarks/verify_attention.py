@@ -16,8 +16,13 @@ layers too).
 Last, a table of what those rows add up to in a step of E2B's target (28 sliding and 7 full
 layers) for each kernel choice on the sliding and the full layers.
 
+``--chain N`` times each variant as the engine runs it instead: N calls back to back in one
+graph, each on its own layer's cache and queries (no cold-L2 flush, no graph launch per call;
+us a call). ``--ours m128,m1024_w4`` adds columns of our kernel at other sizes
+(``ours_<label>``); ``decode_ours`` is ours on a one-query batch (a draft step's attention).
+
     python benchmarks/verify_attention.py --batch 1,8,32 --context 256,2048 --k 3 \
-        --segments 8,4,2 --json out.json
+        --segments 8,4,2 [--chain 28] [--ours m128,m1024_w4] --json out.json
 """
 
 from __future__ import annotations
@@ -25,18 +30,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from centroid_argmax import _time_cuda  # noqa: E402
+from centroid_argmax import _time_cuda, _time_cuda_chain  # noqa: E402
 
 from gemma4_spec.ops.split_attention_triton import (  # noqa: E402
     prepare_split_attention,
     split_attention,
+    split_attention_config,
     split_attention_scratch,
+    with_sizes,
 )
 from gemma4_spec.testing.triton_attention import (  # noqa: E402
     SEGMENTS,
@@ -52,60 +60,82 @@ SCRATCH_HEAD = max(head for head, _ in LAYERS.values())  # vLLM sizes its scratc
 
 def _measure(
     head_dim: int, window: int, context: int, batch: int, q_len: int, reps: int,
-    flush: torch.Tensor, segment_counts: list[int],
+    flush: torch.Tensor, segment_counts: list[int], chain: int = 0,
+    ours_labels: tuple[str, ...] = (),
 ) -> dict[str, float]:  # fmt: skip
-    """us of each variant for one layer shape (NaN where the scratch cannot hold the batch)."""
+    """us of each variant for one layer shape (NaN where the scratch cannot hold the batch).
+    ``chain`` > 0: each variant as ``chain`` calls in one graph, each on a layer of its own
+    (``_time_cuda_chain``), instead of one call a graph on a cold L2."""
     device = flush.device
     blocks = (context + q_len + BLOCK - 1) // BLOCK
-    cache = torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, head_dim, device=device).bfloat16()
     table = (torch.arange(batch * blocks, device=device) + 1).view(batch, blocks).int()
-    attention = PagedAttention(cache, cache, HEADS, window)
-
-    def attend(q, starts, max_q, seq_lens, block_table, split=True):  # type: ignore[no-untyped-def]
-        return attention(q, starts, max_q, seq_lens, block_table, context + q_len, split_keys=split)
-
-    verify_q = torch.randn(batch * q_len, HEADS, head_dim, device=device).bfloat16()
     starts = (torch.arange(batch + 1, device=device) * q_len).int()
     seq_lens = torch.full((batch,), context + q_len, device=device).int()
     decode_starts = torch.arange(batch + 1, device=device).int()
-
-    def split(segments: int) -> float:
-        if batch * q_len > THRESHOLD_3D * SEGMENTS // segments:
-            return float("nan")
-        return _time_cuda(
-            lambda: attention(
-                verify_q, starts, 1, seq_lens, table, context + q_len, segments=segments
-            ),
-            reps,
-            flush,
-        )
-
     # vLLM's scratch, which ours reuses in the engine, is as wide as the model's largest head.
     ours_scratch = split_attention_scratch(batch * q_len, HEADS, head_dim, device, SCRATCH_HEAD)
     prepare_split_attention(device)
+    layers = []
+    for _ in range(max(chain, 1)):
+        cache = torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, head_dim, device=device)
+        cache = cache.bfloat16()
+        verify_q = torch.randn(batch * q_len, HEADS, head_dim, device=device).bfloat16()
+        layers.append((cache, verify_q, PagedAttention(cache, cache, HEADS, window)))
 
-    def ours() -> torch.Tensor:
-        return split_attention(
-            verify_q, cache, cache, table, seq_lens, starts, q_len, head_dim**-0.5, window,
-            scratch=ours_scratch,
-        )  # fmt: skip
+    def timed(make: Callable[[int], Callable[[], torch.Tensor]]) -> float:
+        if chain:
+            return _time_cuda_chain([make(i) for i in range(chain)], reps)
+        return _time_cuda(make(0), reps, flush)
+
+    def vllm(segments: int = SEGMENTS, split: bool = True, decode: bool = False) -> float:
+        if split and not decode and batch * q_len > THRESHOLD_3D * SEGMENTS // segments:
+            return float("nan")
+
+        def make(i: int) -> Callable[[], torch.Tensor]:
+            cache, q, attention = layers[i]
+            if decode:
+                return lambda: attention(
+                    q[:batch], decode_starts, 1, seq_lens, table, context + q_len,
+                    split_keys=split,
+                )  # fmt: skip
+            if split:  # every query token as its own one-query request: the split kernel
+                return lambda: attention(
+                    q, starts, 1, seq_lens, table, context + q_len, segments=segments
+                )
+            return lambda: attention(
+                q, starts, q_len, seq_lens, table, context + q_len, split_keys=False
+            )
+
+        return timed(make)
+
+    def ours(label: str = "", decode: bool = False) -> float:
+        rows = 1 if decode else q_len
+        config = with_sizes(split_attention_config(rows, HEADS // KV_HEADS, head_dim), label)
+
+        def make(i: int) -> Callable[[], torch.Tensor]:
+            cache, q, _ = layers[i]
+            if decode:
+                return lambda: split_attention(
+                    q[:batch], cache, cache, table, seq_lens, decode_starts, 1, head_dim**-0.5,
+                    window, scratch=ours_scratch, config=config,
+                )  # fmt: skip
+            return lambda: split_attention(
+                q, cache, cache, table, seq_lens, starts, q_len, head_dim**-0.5, window,
+                scratch=ours_scratch, config=config,
+            )  # fmt: skip
+
+        return timed(make)
 
     return {
-        "vllm_2d": _time_cuda(
-            lambda: attend(verify_q, starts, q_len, seq_lens, table), reps, flush
-        ),
-        "split_3d": split(SEGMENTS),
-        "ours": _time_cuda(ours, reps, flush),
-        **{f"split_3d_s{n}": split(n) for n in segment_counts if n != SEGMENTS},
-        "decode": _time_cuda(
-            lambda: attend(verify_q[:batch], decode_starts, 1, seq_lens, table), reps, flush
-        ),
+        "vllm_2d": vllm(split=False),
+        "split_3d": vllm(),
+        "ours": ours(),
+        **{f"split_3d_s{n}": vllm(n) for n in segment_counts if n != SEGMENTS},
+        **{f"ours_{label}": ours(label) for label in ours_labels},
+        "decode": vllm(decode=True),
         # The same one-query step through the one-pass kernel (a draft step's attention).
-        "decode_2d": _time_cuda(
-            lambda: attend(verify_q[:batch], decode_starts, 1, seq_lens, table, False),
-            reps,
-            flush,
-        ),
+        "decode_2d": vllm(split=False, decode=True),
+        "decode_ours": ours(decode=True),
     }
 
 
@@ -116,26 +146,43 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--segments", default="8,4,2", help="split kernel segments besides 16")
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument(
+        "--chain",
+        type=int,
+        default=0,
+        help="N > 0: each variant as N calls in one graph, a layer each (as among the model's "
+        "layers), not one call a graph on a cold L2",
+    )
+    parser.add_argument(
+        "--ours",
+        default="",
+        help="more columns of our kernel with other sizes (ops/split_attention_triton.py's "
+        "parse_sizes), e.g. m128,m1024_w4 (t: keys a tile, m: keys a segment at least, "
+        "w: warps, s: stages)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     counts = [int(n) for n in args.segments.split(",") if n]
+    labels = tuple(label for label in args.ours.split(",") if label)
     rows = []
-    extra = "".join(f"{f'split s={n}':>10s}" for n in counts)
-    print(
-        f"{'layer':12s} {'B':>3s} {'ctx':>5s} {'vLLM 2D':>8s} {'split 3D':>8s}{extra} {'ours':>8s} "
-        f"{'decode':>8s} {'dec. 2D':>8s}"
-    )
+    header = False
     for name, (head_dim, window) in LAYERS.items():
         for context in (int(c) for c in args.context.split(",")):
             for batch in (int(b) for b in args.batch.split(",")):
                 q_len = 1 + args.k
-                times = _measure(head_dim, window, context, batch, q_len, args.reps, flush, counts)
-                extra = "".join(f"{times[f'split_3d_s{n}']:10.1f}" for n in counts)
+                times = _measure(
+                    head_dim, window, context, batch, q_len, args.reps, flush, counts,
+                    args.chain, labels,
+                )  # fmt: skip
+                if not header:
+                    print(f"{'layer':12s} {'B':>3s} {'ctx':>5s} " + " ".join(
+                        f"{column:>11s}" for column in times
+                    ))  # fmt: skip
+                    header = True
                 print(
-                    f"{name:12s} {batch:3d} {context:5d} {times['vllm_2d']:8.1f} "
-                    f"{times['split_3d']:8.1f}{extra} {times['ours']:8.1f} {times['decode']:8.1f} "
-                    f"{times['decode_2d']:8.1f}",
+                    f"{name:12s} {batch:3d} {context:5d} "
+                    + " ".join(f"{us:11.1f}" for us in times.values()),
                     flush=True,
                 )
                 rows.append(dict(layer=name, batch=batch, context=context, k=args.k, **times))

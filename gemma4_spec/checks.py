@@ -75,13 +75,18 @@ def _check_parallelism(spec_config: Any) -> None:
 
 def _check_environment() -> None:
     """Settings read later, at engine start-up, checked now."""
-    from gemma4_spec.patch.patch_split_attention import own_draft_mode, own_split_mode
+    from gemma4_spec.patch.patch_split_attention import (
+        own_draft_mode,
+        own_split_mode,
+        split_sizes,
+    )
     from gemma4_spec.patch.patch_triton_attn import large_verify_tokens, verify_segments_setting
 
     verify_segments_setting()
     large_verify_tokens()
     own_split_mode()
     own_draft_mode()
+    split_sizes()
 
 
 def _tensor_parallel_size(target_parallel_config: Any) -> int:

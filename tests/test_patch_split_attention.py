@@ -104,7 +104,7 @@ def _recording_backend(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, lis
     monkeypatch.setattr(
         patch_split_attention,
         "run_split_attention",
-        lambda kwargs, rows: calls.append(f"ours {rows}") or "ours",
+        lambda kwargs, rows, sizes="": calls.append(f"ours {rows} {sizes}".strip()) or "ours",
     )
     return module, calls
 
@@ -176,6 +176,25 @@ def test_unknown_setting_is_a_clear_error_before_start_up(
         _check_environment()
     monkeypatch.setenv(name, "0")
     _check_environment()  # off: nothing to say
+
+
+def test_sizes_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMMA4_SPEC_SPLIT_ATTENTION_SIZES: passed on as set; anything else than sizes refused
+    before start-up, saying what is accepted and how to go back to the kernel's own."""
+    from gemma4_spec.checks import _check_environment
+    from gemma4_spec.validation import UnsupportedConfigurationError
+
+    assert patch_split_attention.split_sizes() == ""  # unset: the kernel's own
+    monkeypatch.setenv(patch_split_attention.SIZES_ENV, " m128_w4 ")
+    _check_environment()
+    assert patch_split_attention.split_sizes() == "m128_w4"
+    module, calls = _route(monkeypatch, "1")  # the setting reaches our kernel's calls
+    assert _forward(module, SimpleNamespace(**{OWN_SPLIT_ATTR: 4})) == "ours"
+    assert calls == ["ours 4 m128_w4"]
+    for bad in ("fast", "m128,w4", "w0"):
+        monkeypatch.setenv(patch_split_attention.SIZES_ENV, bad)
+        with pytest.raises(UnsupportedConfigurationError, match="t64, m128, w4, s2.*unset it"):
+            _check_environment()
 
 
 @pytest.mark.parametrize(

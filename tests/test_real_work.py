@@ -35,6 +35,21 @@ def test_configurations_cover_every_profile_k_and_variant() -> None:
     assert configs["in-tree k=3 zero"]["env"] == {"VLLM_PLUGINS": "none"}
 
 
+def test_variants_with_settings_by_name() -> None:
+    """``ours-V2+sizes=m128_w4+large=48``: ours-V2 with those plugin settings; a name with
+    an unknown setting or base is refused, listing what there is."""
+    configs = real_work.configurations([2], ["field"], ["ours-V2+sizes=m128_w4+large=48"])
+    env = configs["ours-V2+sizes=m128_w4+large=48 k=2 field"]["env"]
+    assert env == {
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        "GEMMA4_SPEC_SPLIT_ATTENTION_SIZES": "m128_w4",
+        "GEMMA4_SPEC_LARGE_VERIFY_TOKENS": "48",
+    }
+    for bad in ("ours-V2+colour=red", "ours-V1+sizes=m128", "ours-V2+sizes=", "ours-V2+"):
+        with pytest.raises(SystemExit, match="unknown variant.*sizes"):
+            real_work.variant(bad)
+
+
 def test_probabilistic_drafts_only_on_speculative_engines() -> None:
     configs = real_work.configurations([3], ["real"], ["in-tree", "ours-V2"], "probabilistic")
     assert "draft_sample_method" not in configs["plain"].get("spec", {})

@@ -86,6 +86,24 @@ def _check_kernel_against_reference(device: str) -> None:
     _check(SMALL_CASES, (torch.float32, torch.bfloat16), device)
     _check_fewer_segments(device)
     _check_wide_scratch(SMALL_CASES[0], device)
+    _check_sizes(SMALL_CASES[2], device)
+
+
+def _check_sizes(case: tuple, device: str) -> None:
+    """Other block sizes (GEMMA4_SPEC_SPLIT_ATTENTION_SIZES): short tiles and segments (many
+    segments), one segment a request, fewer warps and stages: the same attention."""
+    from gemma4_spec.ops.split_attention_triton import split_attention
+
+    q, k, v, table, seq_lens, starts, q_len, scale, window, softcap = _batch(
+        case, torch.float32, device, seed=3
+    )
+    want = split_attention_reference(q, k, v, table, seq_lens, starts, scale, window, softcap)
+    tol = 1e-5 if device == "cpu" else 2e-3
+    for sizes in ("t16_m16_w4_s1", "m4096", "t32_s3"):
+        got = split_attention(
+            q, k, v, table, seq_lens, starts, q_len, scale, window, softcap, sizes=sizes
+        )
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=sizes)
 
 
 def _check_fewer_segments(device: str) -> None:
@@ -170,6 +188,32 @@ def test_kernel_matches_reference_cuda() -> None:
     _check(SMALL_CASES + E2B_CASES, (torch.float32, torch.bfloat16), "cuda")
     _check_fewer_segments("cuda")
     _check_wide_scratch(E2B_CASES[0], "cuda")
+    _check_sizes(E2B_CASES[0], "cuda")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_sizes_reach_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sizes label changes those sizes of the launch and no others; a label that names
+    anything else is refused, saying what it accepts."""
+    from gemma4_spec.ops import split_attention_triton as m
+
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple) -> object:
+            return lambda *args, **kwargs: launches.append(dict(kwargs, min_keys=args[16]))
+
+    monkeypatch.setattr(m, "_split_attention_kernel", Recorder())
+    q, k, v, table, seq_lens, starts, q_len, scale, _, _ = _batch(
+        E2B_CASES[0], torch.bfloat16, "cpu", seed=0
+    )
+    for sizes in ("", "m128_w4", "t32_s3"):
+        m.split_attention(q, k, v, table, seq_lens, starts, q_len, scale, sizes=sizes)
+    picked = [(c["TILE"], c["min_keys"], c["num_warps"], c["num_stages"]) for c in launches]
+    assert picked == [(64, 64, 8, 2), (64, 128, 4, 2), (32, 64, 8, 3)]
+    for bad in ("x4", "m", "m0", "t48", "t8", "m128-w4"):
+        with pytest.raises(ValueError, match="t64, m128, w4, s2|power of two"):
+            m.parse_sizes(bad)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

@@ -83,6 +83,35 @@ def split_attention_config(
     )
 
 
+# A label of other sizes, e.g. "m128_w4": "t" keys a tile, "m" keys a segment at least, "w"
+# warps, "s" pipeline stages (``with_sizes``).
+SIZE_FIELDS = {"t": "tile", "m": "min_keys", "w": "num_warps", "s": "num_stages"}
+
+
+def parse_sizes(label: str) -> dict[str, int]:
+    """The sizes a label names (``SIZE_FIELDS``); ValueError, saying what is accepted, for any
+    other label."""
+    sizes: dict[str, int] = {}
+    for part in (p for p in label.split("_") if p):
+        field, number = SIZE_FIELDS.get(part[0]), part[1:]
+        if field is None or not number.isdigit() or int(number) < 1:
+            raise ValueError(
+                f"{label!r}: expected parts such as t64, m128, w4, s2 joined by '_' (t: keys a "
+                "tile, m: keys a segment at least, w: warps, s: pipeline stages)"
+            )
+        sizes[field] = int(number)
+    tile = sizes.get("tile", TILE)
+    if tile & (tile - 1) or tile < 16:
+        raise ValueError(f"{label!r}: keys a tile must be a power of two, at least 16")
+    return sizes
+
+
+@functools.lru_cache(maxsize=64)
+def with_sizes(config: SplitAttentionConfig, label: str) -> SplitAttentionConfig:
+    """``config`` with the sizes ``label`` names (``parse_sizes``); ``config`` for ""."""
+    return config._replace(**parse_sizes(label)) if label else config
+
+
 def padded_head(head_dim: int) -> int:
     """The tiles' width for a head of ``head_dim``: the next power of two."""
     return 1 << (head_dim - 1).bit_length()
@@ -329,11 +358,13 @@ def split_attention(
     out: torch.Tensor | None = None,
     scratch: SplitAttentionScratch | None = None,
     config: SplitAttentionConfig | None = None,
+    sizes: str = "",
 ) -> torch.Tensor:
     """``split_attention_reference`` in one launch (module docstring). ``max_query_len`` bounds
     every request's query tokens (the rows of a program's block); ``config`` replaces
     ``split_attention_config``'s sizes (its ``block_m`` must hold ``max_query_len`` x group
-    rows and its ``max_segments`` be at most the scratch's)."""
+    rows and its ``max_segments`` be at most the scratch's); ``sizes`` changes some of
+    them (``with_sizes``)."""
     tokens, heads, head_dim = q.shape
     requests, kv_heads = seq_lens.shape[0], key_cache.shape[2]
     group = heads // kv_heads
@@ -343,8 +374,12 @@ def split_attention(
     counters = prepare_split_attention(q.device)
     if scratch is None:
         scratch = split_attention_scratch(tokens, heads, head_dim, q.device)
-    cfg = config or split_attention_config(
-        max_query_len, group, head_dim, scratch.values.shape[2], key_cache.element_size()
+    cfg = with_sizes(
+        config
+        or split_attention_config(
+            max_query_len, group, head_dim, scratch.values.shape[2], key_cache.element_size()
+        ),
+        sizes,
     )
     if cfg.block_m < max_query_len * group or cfg.max_segments > scratch.values.shape[2]:
         raise ValueError(f"split_attention: {cfg} cannot hold {max_query_len} x {group} rows")

@@ -32,6 +32,10 @@ sliding-window layers), off by default (``0``) until the engine benchmark says o
 V2 draft loop (``spec_decode/runner_v2.py``) marks its batches with ``mark_draft``; one launch
 a layer where vLLM's split kernel takes two, and segments sized to the keys a request attends
 (vLLM splits a short context into as many segments as a long one).
+
+``GEMMA4_SPEC_SPLIT_ATTENTION_SIZES`` (e.g. ``m128_w4``) gives our kernel other block sizes
+than its own, for timing them on the engine (``benchmarks/verify_attention.py --ours`` times
+them on one layer).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ SLIDING_ONLY_MODES = ("sliding", "auto")
 # Set by patch_triton_attn on a rewritten verification batch's metadata that our kernel is to
 # run: its longest request's query tokens (the rows of one program of our kernel).
 OWN_SPLIT_ATTR = "_gemma4_spec_own_split"
+SIZES_ENV = "GEMMA4_SPEC_SPLIT_ATTENTION_SIZES"  # our kernel's block sizes (``split_sizes``)
 DRAFT_ENV = "GEMMA4_SPEC_OWN_DRAFT_ATTENTION"
 DRAFT_MODES = {"1": "all", "sliding": "sliding"}
 # Set with OWN_SPLIT_ATTR by ``mark_draft`` on a draft batch's metadata: the layers our kernel
@@ -121,6 +126,21 @@ def _mode_setting(name: str, default: str, modes: dict[str, str], expected: str)
     raise UnsupportedConfigurationError(f"{name}={value!r}: expected {expected}")
 
 
+def split_sizes() -> str:
+    """``GEMMA4_SPEC_SPLIT_ATTENTION_SIZES`` read: other block sizes for our kernel, as
+    ``parse_sizes`` reads them (e.g. ``m128_w4``), "" where unset (the kernel's own)."""
+    from gemma4_spec.ops.split_attention_triton import parse_sizes
+
+    label = os.environ.get(SIZES_ENV, "").strip()
+    try:
+        parse_sizes(label)
+    except ValueError as error:
+        raise UnsupportedConfigurationError(
+            f"{SIZES_ENV}={error}; unset it for the kernel's own sizes."
+        ) from None
+    return label
+
+
 def route_draft(device: torch.device) -> str | None:
     """Where the draft's attention goes to our kernel, make it ready (the device's counters,
     outside any graph capture; the kernel call's routing, if vLLM's Triton backend is loaded)
@@ -150,6 +170,7 @@ def apply(module: ModuleType, draft: bool = False) -> None:
     if mode is None and not draft:
         return
     sliding_only = mode is None or mode in SLIDING_ONLY_MODES
+    sizes = split_sizes()
     impl = getattr(module, "TritonAttentionImpl", None)
     if impl is None or is_ours(impl.forward):
         return
@@ -183,7 +204,7 @@ def apply(module: ModuleType, draft: bool = False) -> None:
             return original_attention(*args, **kwargs)
         global _calls
         _calls += 1
-        return run_split_attention(kwargs, rows)
+        return run_split_attention(kwargs, rows, sizes)
 
     impl.forward = ours(forward)
     module.unified_attention = ours(unified_attention)
@@ -233,7 +254,7 @@ def _scratch(kwargs: dict[str, Any]) -> Any:
     return SplitAttentionScratch(output, maxima, sums)
 
 
-def run_split_attention(kwargs: dict[str, Any], rows: int) -> Any:
+def run_split_attention(kwargs: dict[str, Any], rows: int, sizes: str = "") -> Any:
     from gemma4_spec.ops.split_attention_triton import split_attention
 
     scratch = _scratch(kwargs)
@@ -250,4 +271,5 @@ def run_split_attention(kwargs: dict[str, Any], rows: int) -> Any:
         softcap=kwargs.get("softcap") or 0.0,
         out=kwargs["out"],
         scratch=scratch,
+        sizes=sizes,
     )
