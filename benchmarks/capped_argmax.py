@@ -18,10 +18,16 @@ Variants, from the logits ``[rows, V]`` the lm_head wrote:
 
 Columns: median us; ``vllm/ours``: how many times faster ours is; ``HBM us``: the logits read
 once at ``COPY_BANDWIDTH``; ``equal``: ours' tokens equal to the reference's (must be 1).
+
+``--sweep``: instead, our kernel at other sizes (``SWEEP``: programs an SM, values a tile,
+warps), each row's defaults and its fastest, every variant's tokens checked against the
+reference (a ``!`` marks one that differs), then the variants by mean time over each row's
+best. On CUDA only.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -42,17 +48,65 @@ from gemma4_spec.ops.capped_argmax import (  # noqa: E402
     capped_argmax_reference,
     kernel_applies,
 )
+from gemma4_spec.ops.capped_argmax_triton import (  # noqa: E402
+    BLOCK,
+    PROGRAMS_PER_SM,
+    capped_argmax_kernel,
+)
 
 VOCAB = 262144
 SMOKE_VOCAB = 3000
 SOFT_CAP = 30.0  # Gemma 4's final_logit_softcapping
 COPY_BANDWIDTH = 4.26e12  # bytes/s, H200 (docs/gpu.md)
 VARIANTS = ("ours", "vllm", "argmax", "floor")
+# --sweep: (programs an SM, values a tile, warps); the first is the kernel's default.
+SWEEP = [(PROGRAMS_PER_SM, BLOCK, 8)] + [
+    (p, b, w)
+    for p in (4, 8, 16)
+    for b in (2048, 4096, 8192)
+    for w in (4, 8)
+    if (p, b, w) != (PROGRAMS_PER_SM, BLOCK, 8)
+]
+
+
+def sweep(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, reps: int) -> None:
+    """Our kernel at each of ``SWEEP``'s sizes, row count by row count (module docstring)."""
+    flush = torch.zeros(64 * 2**20, dtype=torch.float32, device=device)
+    gen = torch.Generator().manual_seed(0)
+    rows, score = [], {}
+    for n in (int(x) for x in args.rows.split(",")):
+        logits = (torch.randn(n, VOCAB, generator=gen) * 12).to(device, dtype)
+        want = capped_argmax_reference(logits, SOFT_CAP)
+        times = {}
+        for sizes in SWEEP:
+            label = "p{}/b{}/w{}".format(*sizes)
+            if not torch.equal(capped_argmax_kernel(logits, SOFT_CAP, *sizes), want):
+                label += "!"
+            times[label] = _time_cuda(
+                lambda x=logits, z=sizes: capped_argmax_kernel(x, SOFT_CAP, *z), reps, flush
+            )
+        first, best = next(iter(times)), min(times, key=times.__getitem__)
+        print(f"{n:>5}  defaults {first} {times[first]:7.1f}  best {best} {times[best]:7.1f}")
+        rows.append({"rows": n, "us": times})
+        for label, us in times.items():
+            score[label] = score.get(label, 0.0) + us / times[best] / len(args.rows.split(","))
+    print("\nvariants by mean time over each row's best (1.00 = best everywhere)")
+    for label in sorted(score, key=score.__getitem__)[:8]:
+        print(f"  {label:16s} {score[label]:.3f}")
+    if args.json:
+        write_rows(args.json, {"device": str(device), "dtype": args.dtype, "sweep": True}, rows)
 
 
 def main() -> None:
-    args = kernel_bench_parser(__doc__, "--rows", "1,4,8,16,32,64,96,128,192,256").parse_args()
+    parser = kernel_bench_parser(__doc__, "--rows", "1,4,8,16,32,64,96,128,192,256")
+    parser.add_argument("--sweep", action="store_true", help="our kernel at other sizes")
+    args = parser.parse_args()
     device, dtype, cuda, reps = bench_setup(args)
+    if args.sweep:
+        if not cuda:
+            raise SystemExit("--sweep times the kernel on CUDA only")
+        sweep(args, device, dtype, reps)
+        return
     vocab = SMOKE_VOCAB if args.smoke else VOCAB
     flush = torch.zeros(64 * 2**20, dtype=torch.float32, device=device) if cuda else None
     gen = torch.Generator().manual_seed(0)

@@ -28,7 +28,8 @@
 #               with where the GPU idles waiting on the host
 #   profile-real: torch.profiler of real_work.py's engine variants on the trained pair (or
 #         e2b), B = 1 and 16, k = 3, engines started side by side and measured in turn
-#   verify-kernels: after 'install', the capped argmax's tests and benchmark
+#   verify-kernels: after 'install', the capped argmax's tests and benchmark (CAPPED_SWEEP=1:
+#         also its sizes' sweep, benchmarks/capped_argmax.py --sweep)
 #   chain: instead of step 1 (carry part00): the small-rows matmul's CUDA tests and the
 #         draft layer chain with cuBLAS and our kernel (benchmarks/draft_chain.py); torch +
 #         triton only
@@ -177,6 +178,11 @@ verify-kernels)  # after 'install': the capped argmax of greedy verification, te
     echo "capped argmax tests rc=$?"; tail -2 "$OUT/test_capped_argmax_cuda.log"
     timeout 150 python3 benchmarks/capped_argmax.py --json "$OUT/capped_argmax.json" 2>&1 \
         | grep -v Warning | tee "$OUT/capped_argmax.log"
+    if [ -n "${CAPPED_SWEEP:-}" ]; then  # our kernel at other splits, tiles and warps
+        timeout 200 python3 benchmarks/capped_argmax.py --sweep --rows 1,8,24,48,96,192 \
+            --reps 100 --json "$OUT/capped_argmax_sweep.json" 2>&1 | grep -v Warning \
+            | tee "$OUT/capped_argmax_sweep.log"
+    fi
     ;;
 draft-kernels)  # after 'install': the draft step's kernels, tests and benchmarks
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site

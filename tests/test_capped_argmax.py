@@ -101,9 +101,10 @@ def test_exactness_check_fails_when_one_value_is_capped_otherwise(
 def test_splits_cover_the_row_once(rows: int, vocab: int) -> None:
     from gemma4_spec.ops.capped_argmax_triton import BLOCK, MAX_SPLITS, split_count
 
-    splits, chunk = split_count(rows, vocab, torch.device("cpu"))
-    assert 1 <= splits <= MAX_SPLITS and chunk % BLOCK == 0
-    assert (splits - 1) * chunk < vocab <= splits * chunk  # no empty split, nothing left out
+    for per_sm, block in ((4, BLOCK), (16, 8192), (1, 1024)):
+        splits, chunk = split_count(rows, vocab, torch.device("cpu"), per_sm, block)
+        assert 1 <= splits <= MAX_SPLITS and chunk % block == 0
+        assert (splits - 1) * chunk < vocab <= splits * chunk  # no empty split, nothing left out
 
 
 def _planted(rows: int, vocab: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
@@ -151,6 +152,19 @@ def _check_kernel(device: str) -> None:
             assert torch.equal(capped_argmax_kernel(wide[:, :vocab], None), want)
 
 
+def _check_sizes(device: str) -> None:
+    """Other splits, tiles and warps (``benchmarks/capped_argmax.py --sweep``'s): the same
+    tokens as the defaults' reference."""
+    from gemma4_spec.ops.capped_argmax_triton import capped_argmax_kernel, soft_cap_values
+
+    for rows, vocab in ((6, 9000), (40, 4100)):
+        logits = _planted(rows, vocab, torch.bfloat16, device, seed=rows + vocab)
+        capped = soft_cap_values(logits.reshape(-1), CAP).reshape(logits.shape)
+        for sizes in ((16, 4096, 4), (1, 1024, 8), (8, 8192, 8)):
+            got = capped_argmax_kernel(logits, CAP, *sizes)
+            assert torch.equal(got, capped.argmax(dim=-1)), (rows, vocab, sizes)
+
+
 def _check_fallback(device: str) -> None:
     """Under the interpreter the formula for tanh is not CUDA's: the check finds the kernel
     inexact, and ``capped_argmax`` gives the reference's tokens."""
@@ -162,6 +176,7 @@ def _check_fallback(device: str) -> None:
 
 def _check_under_interpreter(device: str) -> None:
     _check_kernel(device)
+    _check_sizes(device)
     _check_fallback(device)
 
 
@@ -188,6 +203,7 @@ def test_cuda_cap_is_exact(dtype: torch.dtype) -> None:
 @needs_cuda
 def test_cuda_kernel_small_shapes() -> None:
     _check_kernel("cuda")
+    _check_sizes("cuda")
 
 
 @needs_cuda

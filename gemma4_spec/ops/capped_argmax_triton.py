@@ -125,23 +125,38 @@ if HAS_TRITON:
         tl.store(out_ptr + r, tl.where(i == V, 0, i).to(tl.int64))  # all -inf: argmax's 0
 
 
-def split_count(rows: int, vocab: int, device: torch.device) -> tuple[int, int]:
-    """(splits, values per split) for ``rows`` rows of ``vocab`` values (module docstring)."""
+def split_count(
+    rows: int,
+    vocab: int,
+    device: torch.device,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+    block: int = BLOCK,
+) -> tuple[int, int]:
+    """(splits, values per split) for ``rows`` rows of ``vocab`` values (module docstring), at
+    ``programs_per_sm`` and tiles of ``block`` values."""
     sms = sm_count(device, INTERPRET_SMS)
-    wanted = max(1, min(MAX_SPLITS, -(-PROGRAMS_PER_SM * sms // max(rows, 1))))
-    tiles = -(-vocab // BLOCK)
+    wanted = max(1, min(MAX_SPLITS, -(-programs_per_sm * sms // max(rows, 1))))
+    tiles = -(-vocab // block)
     tiles_per_split = -(-tiles // min(wanted, tiles))
-    chunk = tiles_per_split * BLOCK
+    chunk = tiles_per_split * block
     return -(-vocab // chunk), chunk
 
 
-def capped_argmax_kernel(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
-    """``capped_argmax`` on the GPU (or Triton's interpreter): two launches, no host sync."""
+def capped_argmax_kernel(
+    logits: torch.Tensor,
+    cap: float | None,
+    programs_per_sm: int = PROGRAMS_PER_SM,
+    block: int = BLOCK,
+    num_warps: int = 8,
+) -> torch.Tensor:
+    """``capped_argmax`` on the GPU (or Triton's interpreter): two launches, no host sync.
+    ``programs_per_sm``, ``block`` (a power of two) and ``num_warps`` other than the defaults
+    are for ``benchmarks/capped_argmax.py --sweep``."""
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    splits, chunk = split_count(rows, vocab, logits.device)
+    splits, chunk = split_count(rows, vocab, logits.device, programs_per_sm, block)
     part_val = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(rows, splits, dtype=torch.int32, device=logits.device)
     has_cap = cap is not None
@@ -158,8 +173,8 @@ def capped_argmax_kernel(logits: torch.Tensor, cap: float | None) -> torch.Tenso
         float(cap) if cap is not None else 1.0,
         HAS_CAP=has_cap,
         LIBDEVICE=not _interpreting(),
-        BLOCK_V=BLOCK,
-        num_warps=8,
+        BLOCK_V=block,
+        num_warps=num_warps,
     )
     _reduce_splits_kernel[(rows,)](part_val, part_idx, out, vocab, splits, BLOCK_S=MAX_SPLITS)
     return out
