@@ -211,7 +211,7 @@ attention-chain)  # after 'install': our split kernel's CUDA tests, then verify_
     timeout 120 python3 -m pytest -q tests/test_split_attention.py \
         > "$OUT/test_split_attention_cuda.log" 2>&1
     echo "split attention tests rc=$?"; tail -2 "$OUT/test_split_attention_cuda.log"
-    sizes=${CHAIN_SIZES:-m128,m256,m1024,w4,m128_w4,m1024_w4,s1,s3,m128_s3,m1024_s3,t32,m1024_t32}
+    sizes=${CHAIN_SIZES:-s1,c2,c4,s1_c2,s1_c4,m32,m32_c4,m128,m128_c2,w4}
     timeout "${CHAIN_TIMEOUT:-300}" python3 benchmarks/verify_attention.py --k "${CHAIN_K:-2}" \
         --chain 28 --reps 30 --batch 1,8,16,32,64 --context 256,2048 --segments 4 \
         --ours "$sizes" --json "$OUT/verify_attention_chain.json" 2>&1 | grep -v Warning \

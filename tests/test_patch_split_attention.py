@@ -193,7 +193,7 @@ def test_sizes_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == ["ours 4 m128_w4"]
     for bad in ("fast", "m128,w4", "w0"):
         monkeypatch.setenv(patch_split_attention.SIZES_ENV, bad)
-        with pytest.raises(UnsupportedConfigurationError, match="t64, m128, w4, s2.*unset it"):
+        with pytest.raises(UnsupportedConfigurationError, match="t64, m128, w4, s2, c2.*unset it"):
             _check_environment()
 
 

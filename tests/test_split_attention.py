@@ -91,7 +91,8 @@ def _check_kernel_against_reference(device: str) -> None:
 
 def _check_sizes(case: tuple, device: str) -> None:
     """Other block sizes (GEMMA4_SPEC_SPLIT_ATTENTION_SIZES): short tiles and segments (many
-    segments), one segment a request, fewer warps and stages: the same attention."""
+    segments), one segment a request, fewer warps and stages, the combine's loads two and four
+    at a time (over segment counts they do not divide): the same attention."""
     from gemma4_spec.ops.split_attention_triton import split_attention
 
     q, k, v, table, seq_lens, starts, q_len, scale, window, softcap = _batch(
@@ -99,7 +100,7 @@ def _check_sizes(case: tuple, device: str) -> None:
     )
     want = split_attention_reference(q, k, v, table, seq_lens, starts, scale, window, softcap)
     tol = 1e-5 if device == "cpu" else 2e-3
-    for sizes in ("t16_m16_w4_s1", "m4096", "t32_s3"):
+    for sizes in ("t16_m16_w4_s1", "m4096", "t32_s3", "c2", "t16_m16_c4"):
         got = split_attention(
             q, k, v, table, seq_lens, starts, q_len, scale, window, softcap, sizes=sizes
         )
@@ -207,12 +208,14 @@ def test_sizes_reach_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v, table, seq_lens, starts, q_len, scale, _, _ = _batch(
         E2B_CASES[0], torch.bfloat16, "cpu", seed=0
     )
-    for sizes in ("", "m128_w4", "t32_s3"):
+    for sizes in ("", "m128_w4", "t32_s3_c4"):
         m.split_attention(q, k, v, table, seq_lens, starts, q_len, scale, sizes=sizes)
-    picked = [(c["TILE"], c["min_keys"], c["num_warps"], c["num_stages"]) for c in launches]
-    assert picked == [(64, 64, 8, 2), (64, 128, 4, 2), (32, 64, 8, 3)]
+    picked = [
+        (c["TILE"], c["min_keys"], c["num_warps"], c["num_stages"], c["COMBINE"]) for c in launches
+    ]
+    assert picked == [(64, 64, 8, 2, 1), (64, 128, 4, 2, 1), (32, 64, 8, 3, 4)]
     for bad in ("x4", "m", "m0", "t48", "t8", "m128-w4"):
-        with pytest.raises(ValueError, match="t64, m128, w4, s2|power of two"):
+        with pytest.raises(ValueError, match="t64, m128, w4, s2, c2|power of two"):
             m.parse_sizes(bad)
 
 

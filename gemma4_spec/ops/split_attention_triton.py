@@ -57,6 +57,7 @@ class SplitAttentionConfig(NamedTuple):
     max_segments: int
     num_warps: int
     num_stages: int
+    combine: int = 1  # segments' partial values the combining program loads at a time
 
 
 # Cached: a launch outside a CUDA graph (a verification batch on piecewise graphs, eager mode)
@@ -84,8 +85,15 @@ def split_attention_config(
 
 
 # A label of other sizes, e.g. "m128_w4": "t" keys a tile, "m" keys a segment at least, "w"
-# warps, "s" pipeline stages (``with_sizes``).
-SIZE_FIELDS = {"t": "tile", "m": "min_keys", "w": "num_warps", "s": "num_stages"}
+# warps, "s" pipeline stages, "c" partial values loaded at a time by the combine
+# (``with_sizes``).
+SIZE_FIELDS = {
+    "t": "tile",
+    "m": "min_keys",
+    "w": "num_warps",
+    "s": "num_stages",
+    "c": "combine",
+}
 
 
 def parse_sizes(label: str) -> dict[str, int]:
@@ -96,8 +104,9 @@ def parse_sizes(label: str) -> dict[str, int]:
         field, number = SIZE_FIELDS.get(part[0]), part[1:]
         if field is None or not number.isdigit() or int(number) < 1:
             raise ValueError(
-                f"{label!r}: expected parts such as t64, m128, w4, s2 joined by '_' (t: keys a "
-                "tile, m: keys a segment at least, w: warps, s: pipeline stages)"
+                f"{label!r}: expected parts such as t64, m128, w4, s2, c2 joined by '_' (t: keys "
+                "a tile, m: keys a segment at least, w: warps, s: pipeline stages, c: partial "
+                "values the combine loads at a time)"
             )
         sizes[field] = int(number)
     tile = sizes.get("tile", TILE)
@@ -181,6 +190,7 @@ if HAS_TRITON:
         WINDOWED: tl.constexpr,
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        COMBINE: tl.constexpr,  # partial values loaded at a time by the combine
     ):
         r = tl.program_id(0)
         h = tl.program_id(1)
@@ -305,15 +315,20 @@ if HAS_TRITON:
                     factors = tl.exp(maxima - top[:, None])  # 0 where masked
                     weight_sum = tl.sum(sums * factors, axis=1)
                     total = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-                    for s2 in range(0, segments):
-                        a_s = tl.load(
-                            acc_ptr + (part + s2)[:, None] * scratch_head + offs_d[None, :],
-                            mask=row_ok[:, None],
-                            other=0.0,
-                            cache_modifier=".cg",
-                        )
-                        factor = tl.sum(tl.where(segs[None, :] == s2, factors, 0.0), axis=1)
-                        total += a_s * factor[:, None]
+                    # COMBINE segments' loads at a time (unrolled: issued together), summed
+                    # in segment order all the same.
+                    for s2 in range(0, segments, COMBINE):
+                        for j in tl.static_range(COMBINE):
+                            seg = s2 + j
+                            live = row_ok & ((offs_m * 0 + seg) < segments)  # [BLOCK_M]
+                            a_s = tl.load(
+                                acc_ptr + (part + seg)[:, None] * scratch_head + offs_d[None, :],
+                                mask=live[:, None],
+                                other=0.0,
+                                cache_modifier=".cg",
+                            )
+                            factor = tl.sum(tl.where(segs[None, :] == seg, factors, 0.0), axis=1)
+                            total += a_s * factor[:, None]
                     total = total / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
                     tl.store(
                         out_at + offs_d[None, :], total.to(out_ptr.dtype.element_ty), mask=out_ok
@@ -403,7 +418,8 @@ def split_attention(
         out.stride(1), block_table.stride(0), NUM_HEADS=heads, GROUP=group, HEAD=head_dim,
         HEAD_PAD=cfg.head_pad, BLOCK_M=cfg.block_m, TILE=cfg.tile,
         MAX_SEGMENTS=cfg.max_segments, SOFTCAP=softcap > 0,
-        WINDOWED=window > 0, PRECISION=precision, UPCAST=upcast, num_warps=cfg.num_warps,
+        WINDOWED=window > 0, PRECISION=precision, UPCAST=upcast, COMBINE=cfg.combine,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
