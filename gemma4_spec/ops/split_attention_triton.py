@@ -315,20 +315,35 @@ if HAS_TRITON:
                     factors = tl.exp(maxima - top[:, None])  # 0 where masked
                     weight_sum = tl.sum(sums * factors, axis=1)
                     total = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
-                    # COMBINE segments' loads at a time (unrolled: issued together), summed
-                    # in segment order all the same.
-                    for s2 in range(0, segments, COMBINE):
-                        for j in tl.static_range(COMBINE):
-                            seg = s2 + j
-                            live = row_ok & ((offs_m * 0 + seg) < segments)  # [BLOCK_M]
+                    if COMBINE == 1:
+                        for s2 in range(0, segments):
                             a_s = tl.load(
-                                acc_ptr + (part + seg)[:, None] * scratch_head + offs_d[None, :],
-                                mask=live[:, None],
+                                acc_ptr + (part + s2)[:, None] * scratch_head + offs_d[None, :],
+                                mask=row_ok[:, None],
                                 other=0.0,
                                 cache_modifier=".cg",
                             )
-                            factor = tl.sum(tl.where(segs[None, :] == seg, factors, 0.0), axis=1)
+                            factor = tl.sum(tl.where(segs[None, :] == s2, factors, 0.0), axis=1)
                             total += a_s * factor[:, None]
+                    else:
+                        # COMBINE segments' loads at a time (unrolled: issued together),
+                        # summed in segment order all the same.
+                        for s2 in range(0, segments, COMBINE):
+                            for j in tl.static_range(COMBINE):
+                                seg = s2 + j
+                                live = row_ok & ((offs_m * 0 + seg) < segments)  # [BLOCK_M]
+                                a_s = tl.load(
+                                    acc_ptr
+                                    + (part + seg)[:, None] * scratch_head
+                                    + offs_d[None, :],
+                                    mask=live[:, None],
+                                    other=0.0,
+                                    cache_modifier=".cg",
+                                )
+                                factor = tl.sum(
+                                    tl.where(segs[None, :] == seg, factors, 0.0), axis=1
+                                )
+                                total += a_s * factor[:, None]
                     total = total / tl.where(weight_sum > 0, weight_sum, 1.0)[:, None]
                     tl.store(
                         out_at + offs_d[None, :], total.to(out_ptr.dtype.element_ty), mask=out_ok
