@@ -76,11 +76,14 @@ def _measure(
     ours_scratch = split_attention_scratch(batch * q_len, HEADS, head_dim, device, SCRATCH_HEAD)
     prepare_split_attention(device)
     layers = []
+    shape = (batch * blocks + 1, BLOCK, KV_HEADS, head_dim)
     for _ in range(max(chain, 1)):
-        cache = torch.randn(batch * blocks + 1, BLOCK, KV_HEADS, head_dim, device=device)
-        cache = cache.bfloat16()
+        # Keys and values apart, as in the engine (one tensor for both would read the values
+        # from L2 right after the keys).
+        keys = torch.randn(shape, device=device).bfloat16()
+        values = torch.randn(shape, device=device).bfloat16()
         verify_q = torch.randn(batch * q_len, HEADS, head_dim, device=device).bfloat16()
-        layers.append((cache, verify_q, PagedAttention(cache, cache, HEADS, window)))
+        layers.append((keys, values, verify_q, PagedAttention(keys, values, HEADS, window)))
 
     def timed(make: Callable[[int], Callable[[], torch.Tensor]]) -> float:
         if chain:
@@ -92,7 +95,7 @@ def _measure(
             return float("nan")
 
         def make(i: int) -> Callable[[], torch.Tensor]:
-            cache, q, attention = layers[i]
+            _, _, q, attention = layers[i]
             if decode:
                 return lambda: attention(
                     q[:batch], decode_starts, 1, seq_lens, table, context + q_len,
@@ -113,14 +116,14 @@ def _measure(
         config = with_sizes(split_attention_config(rows, HEADS // KV_HEADS, head_dim), label)
 
         def make(i: int) -> Callable[[], torch.Tensor]:
-            cache, q, _ = layers[i]
+            keys, values, q, _ = layers[i]
             if decode:
                 return lambda: split_attention(
-                    q[:batch], cache, cache, table, seq_lens, decode_starts, 1, head_dim**-0.5,
+                    q[:batch], keys, values, table, seq_lens, decode_starts, 1, head_dim**-0.5,
                     window, scratch=ours_scratch, config=config,
                 )  # fmt: skip
             return lambda: split_attention(
-                q, cache, cache, table, seq_lens, starts, q_len, head_dim**-0.5, window,
+                q, keys, values, table, seq_lens, starts, q_len, head_dim**-0.5, window,
                 scratch=ours_scratch, config=config,
             )  # fmt: skip
 
