@@ -40,6 +40,7 @@ from centroid_argmax import (  # noqa: E402
     _time_cuda,
     bench_setup,
     kernel_bench_parser,
+    relative_scores,
     write_rows,
 )
 
@@ -73,7 +74,7 @@ def sweep(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, re
     """Our kernel at each of ``SWEEP``'s sizes, row count by row count (module docstring)."""
     flush = torch.zeros(64 * 2**20, dtype=torch.float32, device=device)
     gen = torch.Generator().manual_seed(0)
-    rows, score = [], {}
+    rows = []
     for n in (int(x) for x in args.rows.split(",")):
         logits = (torch.randn(n, VOCAB, generator=gen) * 12).to(device, dtype)
         want = capped_argmax_reference(logits, SOFT_CAP)
@@ -88,8 +89,7 @@ def sweep(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, re
         first, best = next(iter(times)), min(times, key=times.__getitem__)
         print(f"{n:>5}  defaults {first} {times[first]:7.1f}  best {best} {times[best]:7.1f}")
         rows.append({"rows": n, "us": times})
-        for label, us in times.items():
-            score[label] = score.get(label, 0.0) + us / times[best] / len(args.rows.split(","))
+    score = relative_scores([row["us"] for row in rows])
     print("\nvariants by mean time over each row's best (1.00 = best everywhere)")
     for label in sorted(score, key=score.__getitem__)[:8]:
         print(f"  {label:16s} {score[label]:.3f}")

@@ -82,21 +82,32 @@ def in_tree_restated(hidden: torch.Tensor, lm_head: torch.Tensor, mask: Centroid
     return logits.argmax(dim=-1)
 
 
-def _time_cuda(fn: Callable[[], torch.Tensor], reps: int, flush: torch.Tensor) -> float:
+def _captured(fns: list[Callable[[], torch.Tensor]], warmups: int) -> torch.cuda.CUDAGraph:
+    """``fns`` run ``warmups`` times on a side stream (compilations, allocations), then captured
+    back to back in one CUDA graph."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
+        for _ in range(warmups):
+            for fn in fns:
+                fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for fn in fns:
+            fn()
+    return graph
+
+
+def _replays_us(graph: torch.cuda.CUDAGraph, reps: int, flush: torch.Tensor | None = None) -> float:
+    """The median of ``reps`` replays of ``graph`` in us, CUDA events around each replay alone
+    (``flush`` written before each, untimed: a cold L2)."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
-        flush.add_(1)  # evicts L2; not timed
+        if flush is not None:
+            flush.add_(1)  # evicts L2; not timed
         starts[i].record()
         graph.replay()
         ends[i].record()
@@ -104,31 +115,27 @@ def _time_cuda(fn: Callable[[], torch.Tensor], reps: int, flush: torch.Tensor) -
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)) * 1e3
 
 
+def _time_cuda(fn: Callable[[], torch.Tensor], reps: int, flush: torch.Tensor) -> float:
+    return _replays_us(_captured([fn], warmups=3), reps, flush)
+
+
 def _time_cuda_chain(fns: list[Callable[[], torch.Tensor]], reps: int) -> float:
     """us a call of ``fns`` captured back to back in one CUDA graph (median replay over
     ``len(fns)``), L2 left as the chain leaves it: as a kernel runs among a model's layers, each
     call on its own layer's tensors, without a graph launch of its own to pay for."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
+    graph = _captured(fns, warmups=1)
     graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    times = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
-    return statistics.median(times) * 1e3 / len(fns)
+    return _replays_us(graph, reps) / len(fns)
+
+
+def relative_scores(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Each variant's mean, over ``rows`` (variant -> time, one dict a shape), of its time over
+    that row's fastest (1.00: the best everywhere); variants missing from a row are left out."""
+    return {
+        label: sum(row[label] / min(row.values()) for row in rows) / len(rows)
+        for label in rows[0]
+        if all(label in row for row in rows)
+    }
 
 
 def _time_cpu(fn: Callable[[], torch.Tensor], reps: int) -> float:

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from centroid_argmax import _time_cuda  # noqa: E402
+from centroid_argmax import _time_cuda, relative_scores  # noqa: E402
 
 from gemma4_spec.ops.split_attention import split_attention_reference  # noqa: E402
 from gemma4_spec.ops.split_attention_triton import (  # noqa: E402
@@ -144,12 +144,7 @@ def main() -> None:
                 rows.append(dict(layer=name, batch=batch, context=context, k=args.k, us=times))
     # Per layer, over its shapes: the variants by their time relative to each row's best.
     for name in LAYERS:
-        mine = [row for row in rows if row["layer"] == name]
-        score = {
-            label: sum(row["us"][label] / min(row["us"].values()) for row in mine) / len(mine)
-            for label in mine[0]["us"]
-            if all(label in row["us"] for row in mine)
-        }
+        score = relative_scores([row["us"] for row in rows if row["layer"] == name])
         print(f"\n{name}: variants by mean time over each row's best (1.00 = best everywhere)")
         for label in sorted(score, key=score.__getitem__)[:10]:
             print(f"  {label:22s} {score[label]:.3f}")
