@@ -51,6 +51,7 @@ from gemma4_spec.ops.capped_argmax import (  # noqa: E402
 )
 from gemma4_spec.ops.capped_argmax_triton import (  # noqa: E402
     BLOCK,
+    NUM_WARPS,
     PROGRAMS_PER_SM,
     capped_argmax_kernel,
 )
@@ -61,12 +62,13 @@ SOFT_CAP = 30.0  # Gemma 4's final_logit_softcapping
 COPY_BANDWIDTH = 4.26e12  # bytes/s, H200 (docs/gpu.md)
 VARIANTS = ("ours", "vllm", "argmax", "floor")
 # --sweep: (programs an SM, values a tile, warps); the first is the kernel's default.
-SWEEP = [(PROGRAMS_PER_SM, BLOCK, 8)] + [
+DEFAULT_SIZES = (PROGRAMS_PER_SM, BLOCK, NUM_WARPS)
+SWEEP = [DEFAULT_SIZES] + [
     (p, b, w)
     for p in (4, 8, 16)
     for b in (2048, 4096, 8192)
     for w in (4, 8)
-    if (p, b, w) != (PROGRAMS_PER_SM, BLOCK, 8)
+    if (p, b, w) != DEFAULT_SIZES
 ]
 
 

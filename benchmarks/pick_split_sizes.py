@@ -2,7 +2,8 @@
 ours-V2: our kernel at the sizes that spend least on E2B's 28 sliding layers in a step at the
 batch sizes asked (``--batch``, at ``--context``), and the query tokens from which that beats
 vLLM's split kernel at 16 segments at every batch size measured (``large``, the
-``GEMMA4_SPEC_LARGE_VERIFY_TOKENS`` the variant gets; the default's 64 where it never does).
+``GEMMA4_SPEC_LARGE_VERIFY_TOKENS`` the variant gets; the default's ``LARGE_VERIFY_TOKENS``
+where it never does).
 Prints ``ours-V2+sizes=<label>+large=<tokens>`` and, on stderr, the figures behind it.
 
     python benchmarks/pick_split_sizes.py verify_attention.json --batch 16,32 --context 256
@@ -15,8 +16,9 @@ import json
 import sys
 from pathlib import Path
 
+from gemma4_spec.patch.patch_triton_attn import LARGE_VERIFY_TOKENS
+
 SLIDING = "sliding-256"
-DEFAULT_LARGE = 64
 
 
 def main() -> None:
@@ -38,7 +40,7 @@ def main() -> None:
     for label in sorted(cost, key=cost.__getitem__)[:6]:
         print(f"{label:22s} {cost[label]:8.1f} us at B={wanted}", file=sys.stderr)
     k = rows[0]["k"]
-    large = DEFAULT_LARGE
+    large = LARGE_VERIFY_TOKENS
     for batch in sorted(by_batch, reverse=True):  # from the largest down, while ours wins
         row = by_batch[batch]
         vllm = row["split_3d"] if row["split_3d"] == row["split_3d"] else row["vllm_2d"]

@@ -243,10 +243,11 @@ def configurations(
             if draft_method != "greedy":
                 spec["draft_sample_method"] = draft_method
             for name in variants:
+                chosen = variant(name)
                 configs[f"{name} k={k} {profile}"] = {
-                    "env": variant(name)["env"],
+                    "env": chosen["env"],
                     "k": k,
-                    "spec": {**spec, **variant(name)["spec"]},
+                    "spec": {**spec, **chosen["spec"]},
                 }
     return configs
 

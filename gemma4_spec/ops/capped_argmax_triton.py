@@ -29,6 +29,7 @@ if HAS_TRITON:
 
 PROGRAMS_PER_SM = 4
 BLOCK = 2048  # values per tile: 4 KiB of bfloat16 per load
+NUM_WARPS = 8
 MAX_SPLITS = 64  # a power of two: the reduction reads this many partials, masked
 INTERPRET_SMS = 4  # "SM count" under Triton's CPU interpreter: a few splits in small tests
 
@@ -147,7 +148,7 @@ def capped_argmax_kernel(
     cap: float | None,
     programs_per_sm: int = PROGRAMS_PER_SM,
     block: int = BLOCK,
-    num_warps: int = 8,
+    num_warps: int = NUM_WARPS,
 ) -> torch.Tensor:
     """``capped_argmax`` on the GPU (or Triton's interpreter): two launches, no host sync.
     ``programs_per_sm``, ``block`` (a power of two) and ``num_warps`` other than the defaults
