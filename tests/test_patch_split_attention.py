@@ -252,12 +252,21 @@ def test_marked_draft_batches_run_our_kernel_on_the_layers_their_mode_names(
 def test_draft_setting_values(monkeypatch: pytest.MonkeyPatch) -> None:
     from gemma4_spec.checks import _check_environment
 
-    for value, mode in (("0", None), ("1", "all"), ("sliding", "sliding")):
+    for value, mode in (("0", None), ("1", "all"), ("sliding", "sliding"), ("auto", "auto")):
         monkeypatch.setenv(patch_split_attention.DRAFT_ENV, value)
         _check_environment()
         assert patch_split_attention.own_draft_mode() == mode
     monkeypatch.delenv(patch_split_attention.DRAFT_ENV)
     assert patch_split_attention.own_draft_mode() is None  # off by default
+
+
+def test_auto_draft_mode_sends_large_batches_only() -> None:
+    rows = patch_split_attention.DRAFT_AUTO_ROWS
+    assert patch_split_attention.draft_layers("auto", rows - 1) is None
+    assert patch_split_attention.draft_layers("auto", rows) == "all"
+    assert patch_split_attention.draft_layers("auto", 4 * rows) == "all"
+    for mode in ("all", "sliding"):  # the other modes whatever the batch
+        assert patch_split_attention.draft_layers(mode, 1) == mode
 
 
 def test_draft_routing_stays_off_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

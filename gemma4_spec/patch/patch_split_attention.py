@@ -27,8 +27,10 @@ Under CUDA graphs the choice is taken at capture, from the same batch mark as th
 vLLM versions: ``compat.FLAT_VERIFY_VLLM`` (0.26), as the rewrite.
 
 The draft's attention (one query a request, over the target's cache) can take our kernel too:
-``GEMMA4_SPEC_OWN_DRAFT_ATTENTION`` = ``1`` (every draft layer) or ``sliding`` (the draft's
-sliding-window layers), off by default (``0``) until the engine benchmark says otherwise. Our
+``GEMMA4_SPEC_OWN_DRAFT_ATTENTION`` = ``1`` (every draft layer), ``sliding`` (the draft's
+sliding-window layers) or ``auto`` (every layer of draft batches of at least
+``DRAFT_AUTO_ROWS`` requests, where one layer's timings favour it), off by default (``0``)
+until the engine benchmark says otherwise. Our
 V2 draft loop (``spec_decode/runner_v2.py``) marks its batches with ``mark_draft``; one launch
 a layer where vLLM's split kernel takes two, and segments sized to the keys a request attends
 (vLLM splits a short context into as many segments as a long one).
@@ -64,7 +66,10 @@ SLIDING_ONLY_MODES = ("sliding", "auto")
 OWN_SPLIT_ATTR = "_gemma4_spec_own_split"
 SIZES_ENV = "GEMMA4_SPEC_SPLIT_ATTENTION_SIZES"  # our kernel's block sizes (``split_sizes``)
 DRAFT_ENV = "GEMMA4_SPEC_OWN_DRAFT_ATTENTION"
-DRAFT_MODES = {"1": "all", "sliding": "sliding"}
+DRAFT_MODES = {"1": "all", "sliding": "sliding", "auto": "auto"}
+# The "auto" draft mode's smallest batch (requests, padding included) on our kernel: below it
+# vLLM's split kernel ran a one-query layer as fast or faster (verify_attention.py --chain).
+DRAFT_AUTO_ROWS = 16
 # Set with OWN_SPLIT_ATTR by ``mark_draft`` on a draft batch's metadata: the layers our kernel
 # runs for it ("all" or "sliding"), whatever the verification's mode.
 DRAFT_ATTR = "_gemma4_spec_own_split_draft"
@@ -104,14 +109,15 @@ def own_split_mode() -> str | None:
 
 
 def own_draft_mode() -> str | None:
-    """``GEMMA4_SPEC_OWN_DRAFT_ATTENTION`` read: None (unset or "0": vLLM's kernel), "all" or
-    "sliding"."""
+    """``GEMMA4_SPEC_OWN_DRAFT_ATTENTION`` read: None (unset or "0": vLLM's kernel), "all",
+    "sliding" or "auto" (``draft_layers`` says which batches)."""
     return _mode_setting(
         DRAFT_ENV,
         "0",
         DRAFT_MODES,
         "0 (the default: the draft's attention on vLLM's kernel), 1 (every draft layer on our "
-        "split kernel) or sliding (the draft's sliding-window layers only).",
+        f"split kernel), sliding (the draft's sliding-window layers only) or auto (every layer "
+        f"of draft batches of {DRAFT_AUTO_ROWS} requests or more).",
     )
 
 
@@ -154,6 +160,14 @@ def route_draft(device: torch.device) -> str | None:
     prepare_split_attention(device)
     apply(backend, draft=True)
     return mode
+
+
+def draft_layers(mode: str, rows: int) -> str | None:
+    """The layers (``mark_draft``'s mode) a draft batch of ``rows`` requests runs on our
+    kernel under ``route_draft``'s ``mode``; None where it stays on vLLM's."""
+    if mode != "auto":
+        return mode
+    return "all" if rows >= DRAFT_AUTO_ROWS else None
 
 
 def mark_draft(metadata: Any, mode: str) -> None:

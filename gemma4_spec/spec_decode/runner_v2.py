@@ -36,7 +36,7 @@ from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.spec_decode.gemma4.speculator import Gemma4Speculator
 
 from gemma4_spec.ops.draft_inputs import DraftStepBuffers, RunnerV2Step, stage_runner_v2_inputs
-from gemma4_spec.patch.patch_split_attention import mark_draft, route_draft
+from gemma4_spec.patch.patch_split_attention import draft_layers, mark_draft, route_draft
 
 
 class Gemma4LoopSpeculator(Gemma4Speculator):
@@ -58,8 +58,8 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         self.loop_replays = 0  # proposals replayed from a draft-loop graph
         self.loop_eager = 0  # proposals run eagerly through the same loop
         # Where the draft's attention goes to our split kernel (patch_split_attention): its
-        # layers ("all" or "sliding"), None on vLLM's; set up before the first capture or
-        # eager run.
+        # mode ("all", "sliding" or "auto"), None on vLLM's; set up before the first capture
+        # or eager run.
         self._own_attention: str | None = None
         self._own_attention_set_up = False
 
@@ -214,9 +214,10 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         mappings are not needed; the keys and positions stay those of the staged rows."""
         del num_reqs  # every staged row is drafted; padding rows have no keys
         n = num_tokens
-        if self._own_attention is not None and attn_metadata is not None:
+        layers = None if self._own_attention is None else draft_layers(self._own_attention, n)
+        if layers is not None and attn_metadata is not None:
             for metadata in attn_metadata.values():
-                mark_draft(metadata, self._own_attention)
+                mark_draft(metadata, layers)
         positions = self.input_buffers.positions[:n]
         idx_mapping = self.idx_mapping[:n]
         steps = self.num_speculative_steps
