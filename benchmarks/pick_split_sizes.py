@@ -18,6 +18,9 @@ from pathlib import Path
 
 from gemma4_spec.patch.patch_triton_attn import LARGE_VERIFY_TOKENS
 
+sys.path.insert(0, str(Path(__file__).parent))
+from verify_attention import split_time  # noqa: E402
+
 SLIDING = "sliding-256"
 
 
@@ -43,7 +46,7 @@ def main() -> None:
     large = LARGE_VERIFY_TOKENS
     for batch in sorted(by_batch, reverse=True):  # from the largest down, while ours wins
         row = by_batch[batch]
-        vllm = row["split_3d"] if row["split_3d"] == row["split_3d"] else row["vllm_2d"]
+        vllm = split_time(row)
         print(f"B={batch:3d}: {best} {row[best]:6.1f} us, vLLM {vllm:6.1f}", file=sys.stderr)
         if row[best] >= vllm:
             break

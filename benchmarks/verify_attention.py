@@ -194,14 +194,22 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
+def split_time(row: dict, key: str = "split_3d") -> float:
+    """A row's time for vLLM's split kernel (``key``: its column), or for its one-pass kernel
+    where the split's scratch could not hold the batch (the split's time is NaN)."""
+    value = row[key]
+    return row["vllm_2d"] if value != value else value
+
+
 def _print_policies(rows: list[dict], counts: list[int]) -> None:
     """Verification attention a step of E2B's layers (``E2B_LAYERS``) under each choice of
     kernel for the sliding and the full layers: vLLM's split kernel at its 16 or at N segments
     (``sN``; its one-pass kernel where the split's scratch cannot hold the batch) or ours."""
 
     def time(row: dict, kernel: str) -> float:
-        value = row["ours" if kernel == "ours" else "split_3d" + kernel.removeprefix("16")]
-        return row["vllm_2d"] if value != value else value  # NaN: the one-pass kernel runs it
+        return split_time(
+            row, "ours" if kernel == "ours" else "split_3d" + kernel.removeprefix("16")
+        )
 
     kernels = ["16", *(f"_s{n}" for n in counts if n != SEGMENTS), "ours"]
     policies = [(a, b) for a in kernels for b in kernels]
