@@ -14,8 +14,12 @@ Shapes (``N x K``, from the published E2B assistant: hidden 256, 8 heads of 256 
 (``PER_STEP``). Columns: median us of ``ours`` (``small_linear``), ``cuBLAS`` (``F.linear``)
 and ``reference`` (float32 matmul); ``cuBLAS/ours``; ``splits`` of ours' launch; ``ok``: ours
 within one rounding of the reference. The ``step`` row sums each variant over a draft step's
-18 matmuls. ``--sweep`` also times other tile sizes and splits per shape (``T`` = 1 and 8) and
-prints the fastest, for tuning ``small_linear_config``.
+18 matmuls. The ``gated`` rows time the MLP's gate/up matmul with its activation: ours in
+one launch (``small_linear_gelu_and_mul``), ours then the activation kernel, cuBLAS then the
+activation kernel (vLLM's ``gelu_tanh_and_mul`` where installed; under torch.compile the
+engine runs Inductor's kernel of the same formula, one launch as well), and the reference.
+``--sweep`` also times other tile sizes and splits per shape (``T`` = 1 and 8) and prints the
+fastest, for tuning ``small_linear_config``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from centroid_argmax import _time_cpu, _time_cuda, bench_setup, kernel_bench_parser  # noqa: E402
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
-from gemma4_spec.ops.small_linear import small_linear, small_linear_reference  # noqa: E402
+from gemma4_spec.ops.small_linear import (  # noqa: E402
+    small_linear,
+    small_linear_gelu_and_mul,
+    small_linear_gelu_and_mul_reference,
+    small_linear_reference,
+)
 from gemma4_spec.ops.small_linear_triton import (  # noqa: E402
     SmallLinearConfig,
     small_linear_config,
@@ -52,12 +61,33 @@ SHAPES: dict[str, tuple[int, int, int]] = {
 }
 SMOKE_SHAPES: dict[str, tuple[int, int, int]] = {"wide": (96, 40, 1), "long": (16, 600, 2)}
 VARIANTS = ("ours", "cuBLAS", "reference")
+GATED = "gate_up_proj"  # the shape the gated rows time
+GATED_VARIANTS = ("ours fused", "ours + act", "cuBLAS + act", "reference")
+
+
+def _gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """The activation as a kernel of its own: vLLM's where installed, else torch's formula."""
+    fused = getattr(getattr(torch.ops, "_C", None), "gelu_tanh_and_mul", None)
+    if fused is None or not gate_up.is_cuda:
+        gate, up = gate_up.float().chunk(2, dim=-1)
+        return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
+    out = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+    fused(out, gate_up)
+    return out
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
     """Within one rounding of ``ref`` in ``out``'s dtype (sums in another order)."""
     eps = torch.finfo(out.dtype).eps
     return bool(((out.float() - ref.float()).abs() <= 2 * eps * ref.float().abs() + 1e-6).all())
+
+
+def _gated_close(out: torch.Tensor, ref: torch.Tensor) -> bool:
+    """Within a few roundings of the largest value (``tests/test_small_linear.py``'s rule: the
+    activation carries the products' rounding into values near zero)."""
+    eps = 1e-5 if out.dtype == torch.float32 else 2 * torch.finfo(out.dtype).eps
+    err = (out.float() - ref.float()).abs()
+    return bool((err <= eps * ref.float().abs() + eps * ref.float().abs().max()).all())
 
 
 def _sweep_configs(rows: int, n: int, k: int, device: torch.device) -> list[SmallLinearConfig]:
@@ -122,6 +152,25 @@ def main() -> None:
         print(f"{'step':16s} {'':11s} {t:3d} " + " ".join(f"{step[v]:9.2f}" for v in VARIANTS)
               + f" {step['cuBLAS'] / step['ours']:11.2f}\n")  # fmt: skip
         rows_out.append({"shape": "step", "tokens": t, "us": step})
+    n, k, _ = shapes.get(GATED, next(iter(shapes.values())))
+    w = weights.get(GATED, next(iter(weights.values())))
+    print(f"gated ({n}x{k} stacked gate/up, then gelu_tanh(gate) * up): "
+          + " ".join(f"{v:>12s}" for v in GATED_VARIANTS))  # fmt: skip
+    for t in [int(x) for x in args.tokens.split(",")]:
+        x = torch.randn(t, k, generator=gen).to(device, dtype)
+        fns = {
+            "ours fused": lambda x=x: small_linear_gelu_and_mul(x, w),
+            "ours + act": lambda x=x: _gelu_and_mul(small_linear(x, w)),
+            "cuBLAS + act": lambda x=x: _gelu_and_mul(torch.nn.functional.linear(x, w)),
+            "reference": lambda x=x: small_linear_gelu_and_mul_reference(x, w),
+        }
+        us = {v: timed(fns[v]) for v in GATED_VARIANTS}
+        ok = _gated_close(
+            small_linear_gelu_and_mul(x, w), small_linear_gelu_and_mul_reference(x, w)
+        )
+        print(f"  T={t:<3d} " + " ".join(f"{us[v]:12.2f}" for v in GATED_VARIANTS)
+              + f"  ok {'yes' if ok else 'NO'}")  # fmt: skip
+        rows_out.append({"shape": "gated", "n": n, "k": k, "tokens": t, "us": us, "ok": ok})
     if args.sweep:
         print("sweep: the fastest launches per shape (block_n, splits x steps, warps: us)")
         for t in (1, 8):

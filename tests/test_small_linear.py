@@ -18,9 +18,15 @@ import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
 from gemma4_spec.ops.small_linear import (
+    FUSED_ACTIVATION,
+    FUSED_GELU_ENV,
     SMALL_LINEAR_MAX_ROWS,
+    fuses_gelu,
     small_linear,
     small_linear_applies,
+    small_linear_gelu_and_mul,
+    small_linear_gelu_and_mul_applies,
+    small_linear_gelu_and_mul_reference,
     small_linear_reference,
     use_small_rows_linear,
 )
@@ -94,6 +100,95 @@ def _check_kernel_against_reference(device: str) -> None:
         assert not counters.any(), counters.nonzero().tolist()
 
 
+# Gated (gate/up stacked) shapes: (rows, N of each half, K).
+GATED_SHAPES = ((1, 16, 40), (3, 40, 72), (17, 24, 256), (32, 48, 100))
+
+
+def _assert_gated_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Within a few roundings of the largest value: the kernel's gate and up may each differ
+    from the reference's by one rounding (sums in another order), which the activation and
+    the product carry into the result before its own rounding."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    eps = 1e-5 if out.dtype == torch.float32 else 2 * torch.finfo(out.dtype).eps
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=eps, atol=eps * scale)
+
+
+def _check_gated_against_reference(device: str) -> None:
+    from gemma4_spec.ops.small_linear_triton import small_linear_gelu_and_mul_kernel
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, n, k in GATED_SHAPES:
+            x, w = _operands(rows, 2 * n, k, dtype, device, seed=rows)
+            assert small_linear_gelu_and_mul_applies(x, w)
+            out = small_linear_gelu_and_mul(x, w)
+            _assert_gated_close(out, small_linear_gelu_and_mul_reference(x, w))
+            assert torch.equal(out, small_linear_gelu_and_mul(x, w)), "a second launch differs"
+        # Large gates of both signs (the activation's tails) and leading dimensions.
+        x, w = _operands(6, 32, 64, dtype, device, seed=7)
+        x = (x * 8).view(2, 3, 64)
+        want = small_linear_gelu_and_mul_reference(x, w)
+        _assert_gated_close(small_linear_gelu_and_mul(x, w), want)
+        # The kernel alone at its largest tile of rows.
+        x, w = _operands(64, 48, 80, dtype, device)
+        _assert_gated_close(
+            small_linear_gelu_and_mul_kernel(x, w), small_linear_gelu_and_mul_reference(x, w)
+        )
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA tests cover it)")
+def test_gated_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
+    check_under_interpreter("test_small_linear", "_check_gated_against_reference")
+
+
+@needs_cuda
+def test_gated_kernel_matches_reference_cuda() -> None:
+    _check_gated_against_reference("cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 24, 32])
+def test_gated_assistant_shape_cuda(rows: int, dtype: torch.dtype) -> None:
+    x, w = _operands(rows, 4096, 256, dtype, "cuda", seed=rows)  # E2B's gate_up_proj
+    assert small_linear_gelu_and_mul_applies(x, w)
+    out = small_linear_gelu_and_mul(x, w)
+    _assert_gated_close(out, small_linear_gelu_and_mul_reference(x, w))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = small_linear_gelu_and_mul(x, w)
+    graph.replay()
+    assert torch.equal(replayed, out)
+
+
+def test_gated_falls_back_past_the_row_limit() -> None:
+    """Past the row limit (or where the kernel cannot run) it is a matmul and the activation:
+    the reference's value."""
+    x, w = _operands(SMALL_LINEAR_MAX_ROWS + 1, 48, 40, torch.float32, "cpu")
+    assert not small_linear_gelu_and_mul_applies(x, w)
+    _assert_gated_close(small_linear_gelu_and_mul(x, w), small_linear_gelu_and_mul_reference(x, w))
+    odd = torch.randn(47, 40)
+    assert not small_linear_gelu_and_mul_applies(x[:3], odd), "no even split into gate and up"
+
+
+def test_fused_gelu_is_opt_in_and_needs_the_small_rows_method(set_env) -> None:  # type: ignore[no-untyped-def]
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from gemma4_spec.ops.small_linear import small_rows_linear_method
+
+    layer = torch.nn.Module()
+    layer.quant_method = small_rows_linear_method()
+    layer.bias = None
+    assert not fuses_gelu(layer, FUSED_ACTIVATION)  # off unless asked
+    set_env(FUSED_GELU_ENV, "1")
+    assert fuses_gelu(layer, FUSED_ACTIVATION)
+    assert not fuses_gelu(layer, "gelu")  # another activation than the kernel's
+    layer.quant_method = UnquantizedLinearMethod()  # cuBLAS's layer (CPU, or the switch off)
+    assert not fuses_gelu(layer, FUSED_ACTIVATION)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA tests cover it)")
 def test_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
@@ -145,9 +240,11 @@ def test_custom_op_compiles_with_dynamic_rows() -> None:
     one compiled graph serves every row count."""
     torch._dynamo.reset()
     w = torch.randn(24, 40)
+    gate_up = torch.randn(48, 40)
 
     def project(x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(torch.ops.gemma4_spec.small_linear(x, w)) + 1
+        hidden = torch.ops.gemma4_spec.small_linear_gelu_and_mul(x, gate_up)
+        return torch.relu(torch.ops.gemma4_spec.small_linear(x, w)) + hidden
 
     compiled = torch.compile(project, dynamic=True, backend="aot_eager", fullgraph=True)
     x = torch.randn(3, 40)

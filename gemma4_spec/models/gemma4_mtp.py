@@ -43,7 +43,7 @@ from vllm.sequence import IntermediateTensors
 
 from gemma4_spec.ops.centroid_argmax import CentroidMask, masked_logits
 from gemma4_spec.ops.centroid_argmax_triton import centroid_argmax_fused
-from gemma4_spec.ops.small_linear import use_small_rows_linear
+from gemma4_spec.ops.small_linear import fuses_gelu, use_small_rows_linear
 from gemma4_spec.ops.vocab_argmax_triton import vocab_argmax
 from gemma4_spec.validation import SLIDING_ATTENTION, kv_source_layers, layer_attention_shape
 
@@ -134,10 +134,21 @@ class AssistantMLP(nn.Module):
             config.intermediate_size, config.hidden_size, bias=False, prefix=f"{prefix}.down_proj"
         )
         self.act_fn = get_act_and_mul_fn(config.hidden_activation)
+        self.activation = config.hidden_activation
+        # Gate/up matmul and activation as one op (small_linear_gelu_and_mul); set by the
+        # model once its layers have their linear methods (fuse_gelu).
+        self.fused_gelu = False
+
+    def fuse_gelu(self) -> None:
+        self.fused_gelu = fuses_gelu(self.gate_up_proj, self.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up, _ = self.gate_up_proj(x)
-        out, _ = self.down_proj(self.act_fn(gate_up))
+        if self.fused_gelu:
+            hidden = torch.ops.gemma4_spec.small_linear_gelu_and_mul(x, self.gate_up_proj.weight)
+        else:
+            gate_up, _ = self.gate_up_proj(x)
+            hidden = self.act_fn(gate_up)
+        out, _ = self.down_proj(hidden)
         return out
 
 
@@ -278,6 +289,9 @@ class Gemma4AssistantForDrafting(nn.Module):
         )
         # The projections' matmuls, a few rows each draft step, in one launch each on CUDA.
         use_small_rows_linear(self, vllm_config.device_config.device)
+        for module in self.modules():
+            if isinstance(module, AssistantMLP):
+                module.fuse_gelu()
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.model.embed_tokens is None:

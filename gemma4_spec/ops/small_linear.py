@@ -15,6 +15,12 @@ kernel where it applies (``small_linear_applies``: CUDA or Triton's CPU interpre
 of the draft's compiled graph, and the choice between the two is made at run time (at capture,
 for a CUDA graph), so the compiled graph does not specialise on it.
 
+``small_linear_gelu_and_mul`` (the custom op ``gemma4_spec::small_linear_gelu_and_mul``) is
+the draft MLP's gate/up matmul and its activation in one launch: ``gelu_tanh(gate) * up`` from
+the stacked ``[gate; up]`` weight, defined by ``small_linear_gelu_and_mul_reference``; where the
+kernel does not apply, ``F.linear`` and vLLM's fused activation kernel (or torch's formula
+without it).
+
 ``SmallRowsLinearMethod`` is vLLM's unquantized linear method with its matmul through that op;
 ``use_small_rows_linear`` gives it to a model's unquantized linear layers (their parallel
 layout and all-reduces are unchanged: only the local matmul changes). The draft's tokens may
@@ -28,9 +34,14 @@ import torch
 from torch import nn
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable
-from gemma4_spec.switches import turned_off
+from gemma4_spec.switches import turned_off, turned_on
 
 SMALL_LINEAR_ENV = "GEMMA4_SPEC_SMALL_LINEAR"
+# Opt-in until the engine benchmark measures it: the draft MLP's gate/up matmul and activation
+# in one launch (small_linear_gelu_and_mul).
+FUSED_GELU_ENV = "GEMMA4_SPEC_FUSED_GELU"
+# The activation the fused kernel computes (Gemma 4's, vLLM's GeluAndMul(approximate="tanh")).
+FUSED_ACTIVATION = "gelu_pytorch_tanh"
 # Up to this many rows the kernel runs: on the H200 it was faster than cuBLAS for a whole
 # draft step's matmuls up to 32 rows and slower at 64 (benchmarks/small_linear.py, figures in
 # benchmarks/results/h200).
@@ -77,6 +88,52 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def small_linear_gelu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ gate^T) * (x @ up^T)`` for ``weight = [gate; up]`` by definition: each
+    product as ``small_linear_reference`` gives it, the activation and product in float32,
+    rounded once to ``x``'s dtype (vLLM's ``GeluAndMul(approximate="tanh")`` on the matmul's
+    output)."""
+    gate, up = small_linear_reference(x, weight).float().chunk(2, dim=-1)
+    return (nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
+
+
+def small_linear_gelu_and_mul_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``small_linear_gelu_and_mul`` runs the kernel for these operands."""
+    if not small_linear_applies(x, weight) or weight.shape[0] % 2:
+        return False
+    from gemma4_spec.ops.small_linear_triton import gated_fits
+
+    rows = x.numel() // x.shape[-1]
+    return gated_fits(rows, weight.shape[0] // 2, x.shape[-1], x.device)
+
+
+@torch.library.custom_op("gemma4_spec::small_linear_gelu_and_mul", mutates_args=())
+def small_linear_gelu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ gate^T) * (x @ up^T)`` for ``weight = [gate; up]`` in ``x``'s dtype: one
+    Triton launch for a few rows, else a matmul and an activation kernel (module docstring)."""
+    if not small_linear_gelu_and_mul_applies(x, weight):
+        gate_up = nn.functional.linear(x, weight)
+        fused = getattr(getattr(torch.ops, "_C", None), "gelu_tanh_and_mul", None)
+        if fused is None or not gate_up.is_cuda:
+            gate, up = gate_up.float().chunk(2, dim=-1)
+            return (nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
+        out = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+        fused(out, gate_up)  # vLLM's GeluAndMul(approximate="tanh") kernel
+        return out
+    from gemma4_spec.ops.small_linear_triton import small_linear_gelu_and_mul_kernel
+
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = small_linear_gelu_and_mul_kernel(rows, weight)
+    return out.reshape(*x.shape[:-1], weight.shape[0] // 2)
+
+
+@small_linear_gelu_and_mul.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
 def _unquantized_method() -> type:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
@@ -109,6 +166,19 @@ def small_rows_linear_method() -> object:
 
 
 _METHOD_CLASS: type | None = None
+
+
+def fuses_gelu(layer: nn.Module, activation: str) -> bool:
+    """Whether a merged gate/up ``layer`` followed by ``activation`` runs as
+    ``small_linear_gelu_and_mul``: the layer has the small-rows method (unquantized, on
+    CUDA), the activation is the kernel's, and ``GEMMA4_SPEC_FUSED_GELU=1``."""
+    return (
+        turned_on(FUSED_GELU_ENV)
+        and activation == FUSED_ACTIVATION
+        and _METHOD_CLASS is not None
+        and isinstance(getattr(layer, "quant_method", None), _METHOD_CLASS)
+        and getattr(layer, "bias", None) is None
+    )
 
 
 def use_small_rows_linear(model: nn.Module, device: torch.device | str | None) -> int:

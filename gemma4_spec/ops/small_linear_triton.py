@@ -17,6 +17,12 @@ Sizes (``small_linear_config``): ``BLOCK_T`` the next power of two >= T from 16 
 splits only for K of 4 steps or more, as many as bring the programs to about one per SM, at
 least 2 steps each.
 
+``GATED`` (``small_linear_gelu_and_mul_kernel``, one split only): ``weight`` stacks the gate's
+and the up projection's rows (``[2N, K]``, as vLLM's merged gate/up layer holds them); a program
+accumulates its columns of both and writes ``gelu_tanh(gate) * up`` (each product rounded to
+the output dtype first, as the matmul's output would be), where the draft's MLP would launch a
+second kernel for the activation.
+
 Counters are per device (``prepare_small_linear``, called by the linear method after the
 weights load, outside any graph capture). Launches sharing them must not run concurrently on
 different streams. Under Triton's CPU interpreter (``TRITON_INTERPRET=1``) the kernel runs on
@@ -104,6 +110,7 @@ if HAS_TRITON:
         SPLIT: tl.constexpr,  # SPLITS > 1
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
+        GATED: tl.constexpr = False,  # w is [2N, K]: write gelu_tanh(x @ w[:N]^T) * x @ w[N:]^T
     ):
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(N, BLOCK_N)
@@ -117,6 +124,7 @@ if HAS_TRITON:
         w_rows = w_ptr + offs_n.to(tl.int64) * stride_w
         x_rows = x_ptr + offs_t.to(tl.int64) * stride_x
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)  # GATED: the up columns
         k_first = s * STEPS_PER_SPLIT * BLOCK_K
         for j in range(0, STEPS_PER_SPLIT):
             offs_k = k_first + j * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -129,6 +137,11 @@ if HAS_TRITON:
                 w = w.to(tl.float32)
                 x = x.to(tl.float32)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+            if GATED:
+                u = tl.load(w_rows[:, None] + N * stride_w + offs_k[None, :], mask=w_ok, other=0.0)
+                if UPCAST:
+                    u = u.to(tl.float32)
+                acc_up = tl.dot(u, tl.trans(x), acc_up, input_precision=PRECISION)
         out_at = out_ptr + offs_t[None, :].to(tl.int64) * stride_out + offs_n[:, None]
         out_ok = n_ok[:, None] & t_ok[None, :]
         if SPLIT:
@@ -147,23 +160,54 @@ if HAS_TRITON:
                     )
                 tl.store(out_at, total.to(out_ptr.dtype.element_ty), mask=out_ok)
                 tl.store(counter_ptr + tile, 0)
+        elif GATED:
+            dtype = out_ptr.dtype.element_ty
+            gate = acc.to(dtype).to(tl.float32)
+            up = acc_up.to(dtype).to(tl.float32)
+            tl.store(out_at, (_gelu_tanh(gate) * up).to(dtype), mask=out_ok)
         else:
             tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
+    @triton.jit
+    def _gelu_tanh(x):
+        """GELU's tanh form, ``0.5 x (1 + tanh(z))`` with ``z = sqrt(2 / pi) (x + 0.044715
+        x^3)``, in float32, as ``x / (1 + exp(-2z))`` (the same value, without the cancellation
+        of ``1 + tanh`` for negative ``z``; Triton's interpreter has no libdevice tanh)."""
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return x / (1.0 + tl.exp(-2.0 * z))
+
+
+def gated_fits(rows: int, columns: int, depth: int, device: torch.device) -> bool:
+    """Whether ``small_linear_gelu_and_mul_kernel`` runs ``[rows, depth]`` by a stacked
+    ``[2 columns, depth]`` weight in one split (the gated form writes no partials)."""
+    return small_linear_config(rows, columns, depth, device).splits == 1
+
+
+def small_linear_gelu_and_mul_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ gate^T) * (x @ up^T)`` for ``weight = [gate; up]`` (``[2N, K]``), in
+    ``x``'s dtype, in one launch (module docstring; ``gated_fits`` must hold)."""
+    return small_linear_kernel(x, weight, gated=True)
+
 
 def small_linear_kernel(
-    x: torch.Tensor, weight: torch.Tensor, config: SmallLinearConfig | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    config: SmallLinearConfig | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
     """``x [T, K] @ weight [N, K]^T`` in ``x``'s dtype, in one launch. ``x`` and ``weight`` must
-    be contiguous along K (``small_linear`` checks and falls back before calling this)."""
+    be contiguous along K (``small_linear`` checks and falls back before calling this).
+    ``gated``: ``small_linear_gelu_and_mul_kernel``'s product."""
     rows, depth = x.shape
-    columns = weight.shape[0]
+    columns = weight.shape[0] // 2 if gated else weight.shape[0]
     out = torch.empty(rows, columns, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     cfg = config or small_linear_config(rows, columns, depth, x.device)
     tiles = triton.cdiv(columns, cfg.block_n) * triton.cdiv(rows, cfg.block_t)
     split = cfg.splits > 1
+    if gated and split:
+        raise ValueError("small_linear: the gated form runs in one split (gated_fits)")
     if split:
         if tiles > COUNTER_CAPACITY:
             raise ValueError(f"small_linear: {tiles} tiles of a split launch exceed the counters")
@@ -176,6 +220,6 @@ def small_linear_kernel(
         x, weight, part, counters, out, rows, columns, depth, x.stride(0), weight.stride(0),
         out.stride(0), cfg.splits, cfg.steps_per_split, BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, PRECISION=precision,
-        UPCAST=upcast, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        UPCAST=upcast, GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
