@@ -20,9 +20,9 @@ Columns: median us; ``vllm/ours``: how many times faster ours is; ``HBM us``: th
 once at ``COPY_BANDWIDTH``; ``equal``: ours' tokens equal to the reference's (must be 1).
 
 ``--sweep``: instead, our kernel at other sizes (``SWEEP``: programs an SM, values a tile,
-warps), each row's defaults and its fastest, every variant's tokens checked against the
-reference (a ``!`` marks one that differs), then the variants by mean time over each row's
-best. On CUDA only.
+warps, tiles loaded an iteration), each row's defaults and its fastest, every variant's
+tokens checked against the reference (a ``!`` marks one that differs), then the variants by
+mean time over each row's best. On CUDA only.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from gemma4_spec.ops.capped_argmax_triton import (  # noqa: E402
     BLOCK,
     NUM_WARPS,
     PROGRAMS_PER_SM,
+    TILES,
     capped_argmax_kernel,
 )
 
@@ -61,14 +62,16 @@ SMOKE_VOCAB = 3000
 SOFT_CAP = 30.0  # Gemma 4's final_logit_softcapping
 COPY_BANDWIDTH = 4.26e12  # bytes/s, H200 (docs/gpu.md)
 VARIANTS = ("ours", "vllm", "argmax", "floor")
-# --sweep: (programs an SM, values a tile, warps); the first is the kernel's default.
-DEFAULT_SIZES = (PROGRAMS_PER_SM, BLOCK, NUM_WARPS)
+# --sweep: (programs an SM, values a tile, warps, tiles loaded an iteration); the first is
+# the kernel's default.
+DEFAULT_SIZES = (PROGRAMS_PER_SM, BLOCK, NUM_WARPS, TILES)
 SWEEP = [DEFAULT_SIZES] + [
-    (p, b, w)
+    (p, b, w, t)
     for p in (4, 8, 16)
-    for b in (2048, 4096, 8192)
+    for b in (1024, 2048, 4096, 8192)
     for w in (4, 8)
-    if (p, b, w) != DEFAULT_SIZES
+    for t in (1, 2)
+    if (p, b, w, t) != DEFAULT_SIZES and b * t <= 8192
 ]
 
 
@@ -82,7 +85,7 @@ def sweep(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, re
         want = capped_argmax_reference(logits, SOFT_CAP)
         times = {}
         for sizes in SWEEP:
-            label = "p{}/b{}/w{}".format(*sizes)
+            label = "p{}/b{}/w{}/t{}".format(*sizes)
             if not torch.equal(capped_argmax_kernel(logits, SOFT_CAP, *sizes), want):
                 label += "!"
             times[label] = _time_cuda(

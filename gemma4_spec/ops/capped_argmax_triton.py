@@ -1,7 +1,8 @@
 """Triton kernels of ``capped_argmax.py``: soft-cap and argmax in one read of the logits.
 
 ``_split_best_kernel``, grid ``(rows, splits)``: program ``(r, s)`` reads the ``s``-th
-contiguous chunk of row ``r`` in tiles of ``BLOCK`` values; a tile that raises the chunk's raw
+contiguous chunk of row ``r`` in tiles of ``BLOCK`` values (``TILES`` of them loaded an
+iteration); a tile that raises the chunk's raw
 maximum is capped in registers (``_soft_cap``: torch's ``x * (1 / cap)``, ``tanh``, ``* cap`` in
 float32, each result rounded to the logits' dtype as torch rounds it) and may replace the
 chunk's best (capped value, first id); the others cannot, and are only read. The best goes to
@@ -30,6 +31,7 @@ if HAS_TRITON:
 PROGRAMS_PER_SM = 4
 BLOCK = 2048  # values per tile: 4 KiB of bfloat16 per load
 NUM_WARPS = 8
+TILES = 1  # tiles a program loads an iteration (2: two loads in flight; --sweep times both)
 MAX_SPLITS = 64  # a power of two: the reduction reads this many partials, masked
 INTERPRET_SMS = 4  # "SM count" under Triton's CPU interpreter: a few splits in small tests
 
@@ -71,6 +73,23 @@ if HAS_TRITON:
         y = _soft_cap(x, inv_cap, cap, True, LIBDEVICE)
         tl.store(out_ptr + offs, y.to(x.dtype), mask=ok)
 
+    @triton.jit
+    def _take_tile(
+        x, ids, ok, best_c, best_i, top_raw, V, inv_cap, cap,
+        HAS_CAP: tl.constexpr, LIBDEVICE: tl.constexpr,
+    ):  # fmt: skip
+        """A chunk's (best capped value, its first id, largest raw value) after one more tile
+        of its values ``x`` at ``ids`` (``ok``: inside the chunk)."""
+        tile_top = tl.max(x.to(tl.float32), axis=0)
+        if tile_top > top_raw:
+            y = tl.where(ok, _soft_cap(x, inv_cap, cap, HAS_CAP, LIBDEVICE), float("-inf"))
+            c, i = _best_of(y, tl.where(ok, ids, V), 0, V)
+            if c > best_c:  # strict: an equal value keeps the earlier id
+                best_c = c
+                best_i = i
+            top_raw = tile_top
+        return best_c, best_i, top_raw
+
     @triton.jit(do_not_specialize=["V", "stride_row", "chunk", "splits"])
     def _split_best_kernel(
         logits_ptr,  # [rows, V], unit stride along V
@@ -85,6 +104,7 @@ if HAS_TRITON:
         HAS_CAP: tl.constexpr,
         LIBDEVICE: tl.constexpr,
         BLOCK_V: tl.constexpr,
+        TILES: tl.constexpr = 1,  # tiles loaded an iteration: 1 or 2
     ):
         r = tl.program_id(0)
         s = tl.program_id(1)
@@ -98,18 +118,22 @@ if HAS_TRITON:
         top_raw = float("-inf")
         start = s * chunk
         end = tl.minimum(start + chunk, V)
-        for off in range(start, end, BLOCK_V):
+        for off in range(start, end, BLOCK_V * TILES):
+            # TILES tiles loaded before either is looked at: their loads in flight together.
             ids = off + tl.arange(0, BLOCK_V)
             ok = ids < end
             x = tl.load(row + ids, mask=ok, other=float("-inf"))
-            tile_top = tl.max(x.to(tl.float32), axis=0)
-            if tile_top > top_raw:
-                y = tl.where(ok, _soft_cap(x, inv_cap, cap, HAS_CAP, LIBDEVICE), float("-inf"))
-                c, i = _best_of(y, tl.where(ok, ids, V), 0, V)
-                if c > best_c:  # strict: an equal value keeps the earlier id
-                    best_c = c
-                    best_i = i
-                top_raw = tile_top
+            if TILES == 2:
+                ids2 = ids + BLOCK_V
+                ok2 = ids2 < end
+                x2 = tl.load(row + ids2, mask=ok2, other=float("-inf"))
+            best_c, best_i, top_raw = _take_tile(
+                x, ids, ok, best_c, best_i, top_raw, V, inv_cap, cap, HAS_CAP, LIBDEVICE
+            )
+            if TILES == 2:
+                best_c, best_i, top_raw = _take_tile(
+                    x2, ids2, ok2, best_c, best_i, top_raw, V, inv_cap, cap, HAS_CAP, LIBDEVICE
+                )
         tl.store(part_val_ptr + r * splits + s, best_c)
         tl.store(part_idx_ptr + r * splits + s, best_i)
 
@@ -149,10 +173,14 @@ def capped_argmax_kernel(
     programs_per_sm: int = PROGRAMS_PER_SM,
     block: int = BLOCK,
     num_warps: int = NUM_WARPS,
+    tiles: int = TILES,
 ) -> torch.Tensor:
     """``capped_argmax`` on the GPU (or Triton's interpreter): two launches, no host sync.
-    ``programs_per_sm``, ``block`` (a power of two) and ``num_warps`` other than the defaults
-    are for ``benchmarks/capped_argmax.py --sweep``."""
+    ``programs_per_sm``, ``block`` (a power of two), ``num_warps`` and ``tiles`` (loaded an
+    iteration, 1 or 2) other than the defaults are for ``benchmarks/capped_argmax.py
+    --sweep``."""
+    if tiles not in (1, 2):
+        raise ValueError(f"capped_argmax_kernel: tiles={tiles}, expected 1 or 2")
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
@@ -175,6 +203,7 @@ def capped_argmax_kernel(
         HAS_CAP=has_cap,
         LIBDEVICE=not _interpreting(),
         BLOCK_V=block,
+        TILES=tiles,
         num_warps=num_warps,
     )
     _reduce_splits_kernel[(rows,)](part_val, part_idx, out, vocab, splits, BLOCK_S=MAX_SPLITS)
