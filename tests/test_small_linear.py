@@ -136,17 +136,6 @@ def _check_gated_against_reference(device: str) -> None:
         )
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA tests cover it)")
-def test_gated_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
-    check_under_interpreter("test_small_linear", "_check_gated_against_reference")
-
-
-@needs_cuda
-def test_gated_kernel_matches_reference_cuda() -> None:
-    _check_gated_against_reference("cuda")
-
-
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 3, 8, 16, 24, 32])
@@ -189,15 +178,21 @@ def test_fused_gelu_is_opt_in_and_needs_the_small_rows_method(set_env) -> None: 
     assert not fuses_gelu(layer, FUSED_ACTIVATION)
 
 
+# The plain product's checks and the gated (gate/up and activation) form's.
+CHECKS = ("_check_kernel_against_reference", "_check_gated_against_reference")
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA tests cover it)")
-def test_kernel_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
-    check_under_interpreter("test_small_linear", "_check_kernel_against_reference")
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernel_matches_reference_under_interpreter(check_under_interpreter, check: str) -> None:  # type: ignore[no-untyped-def]
+    check_under_interpreter("test_small_linear", check)
 
 
 @needs_cuda
-def test_kernel_matches_reference_cuda_small() -> None:
-    _check_kernel_against_reference("cuda")
+@pytest.mark.parametrize("check", CHECKS)
+def test_kernel_matches_reference_cuda_small(check: str) -> None:
+    globals()[check]("cuda")
 
 
 @needs_cuda
