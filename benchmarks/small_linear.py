@@ -37,6 +37,7 @@ from centroid_argmax import _time_cpu, _time_cuda, bench_setup, kernel_bench_par
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
 from gemma4_spec.ops.small_linear import (  # noqa: E402
+    gelu_and_mul,
     small_linear,
     small_linear_gelu_and_mul,
     small_linear_gelu_and_mul_reference,
@@ -63,17 +64,6 @@ SMOKE_SHAPES: dict[str, tuple[int, int, int]] = {"wide": (96, 40, 1), "long": (1
 VARIANTS = ("ours", "cuBLAS", "reference")
 GATED = "gate_up_proj"  # the shape the gated rows time
 GATED_VARIANTS = ("ours fused", "ours + act", "cuBLAS + act", "reference")
-
-
-def _gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """The activation as a kernel of its own: vLLM's where installed, else torch's formula."""
-    fused = getattr(getattr(torch.ops, "_C", None), "gelu_tanh_and_mul", None)
-    if fused is None or not gate_up.is_cuda:
-        gate, up = gate_up.float().chunk(2, dim=-1)
-        return (torch.nn.functional.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
-    out = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
-    fused(out, gate_up)
-    return out
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -160,8 +150,8 @@ def main() -> None:
         x = torch.randn(t, k, generator=gen).to(device, dtype)
         fns = {
             "ours fused": lambda x=x: small_linear_gelu_and_mul(x, w),
-            "ours + act": lambda x=x: _gelu_and_mul(small_linear(x, w)),
-            "cuBLAS + act": lambda x=x: _gelu_and_mul(torch.nn.functional.linear(x, w)),
+            "ours + act": lambda x=x: gelu_and_mul(small_linear(x, w)),
+            "cuBLAS + act": lambda x=x: gelu_and_mul(torch.nn.functional.linear(x, w)),
             "reference": lambda x=x: small_linear_gelu_and_mul_reference(x, w),
         }
         us = {v: timed(fns[v]) for v in GATED_VARIANTS}

@@ -93,8 +93,25 @@ def small_linear_gelu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor) -
     product as ``small_linear_reference`` gives it, the activation and product in float32,
     rounded once to ``x``'s dtype (vLLM's ``GeluAndMul(approximate="tanh")`` on the matmul's
     output)."""
-    gate, up = small_linear_reference(x, weight).float().chunk(2, dim=-1)
-    return (nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
+    return _gelu_and_mul_formula(small_linear_reference(x, weight))
+
+
+def _gelu_and_mul_formula(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` of ``gate_up = [gate, up]`` (last dimension) in float32,
+    rounded once to its dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (nn.functional.gelu(gate, approximate="tanh") * up).to(gate_up.dtype)
+
+
+def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` as a kernel of its own: vLLM's ``gelu_tanh_and_mul`` on CUDA
+    where vLLM's kernels are installed, else torch's formula."""
+    fused = getattr(getattr(torch.ops, "_C", None), "gelu_tanh_and_mul", None)
+    if fused is None or not gate_up.is_cuda:
+        return _gelu_and_mul_formula(gate_up)
+    out = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+    fused(out, gate_up)
+    return out
 
 
 def small_linear_gelu_and_mul_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -112,14 +129,7 @@ def small_linear_gelu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     """``gelu_tanh(x @ gate^T) * (x @ up^T)`` for ``weight = [gate; up]`` in ``x``'s dtype: one
     Triton launch for a few rows, else a matmul and an activation kernel (module docstring)."""
     if not small_linear_gelu_and_mul_applies(x, weight):
-        gate_up = nn.functional.linear(x, weight)
-        fused = getattr(getattr(torch.ops, "_C", None), "gelu_tanh_and_mul", None)
-        if fused is None or not gate_up.is_cuda:
-            gate, up = gate_up.float().chunk(2, dim=-1)
-            return (nn.functional.gelu(gate, approximate="tanh") * up).to(x.dtype)
-        out = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
-        fused(out, gate_up)  # vLLM's GeluAndMul(approximate="tanh") kernel
-        return out
+        return gelu_and_mul(nn.functional.linear(x, weight))
     from gemma4_spec.ops.small_linear_triton import small_linear_gelu_and_mul_kernel
 
     rows = x.reshape(-1, x.shape[-1])
