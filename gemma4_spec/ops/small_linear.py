@@ -30,6 +30,8 @@ draft, so the output does not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -77,10 +79,21 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, weight)
     from gemma4_spec.ops.small_linear_triton import small_linear_kernel
 
+    return _on_rows(small_linear_kernel, x, weight)
+
+
+def _on_rows(
+    kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    """``kernel`` (on ``[T, K]`` rows, unit stride along K) applied to ``x [..., K]``, its
+    output given ``x``'s leading dimensions back."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    return small_linear_kernel(rows, weight).reshape(*x.shape[:-1], weight.shape[0])
+    out = kernel(rows, weight)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 @small_linear.register_fake
@@ -132,11 +145,7 @@ def small_linear_gelu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Te
         return gelu_and_mul(nn.functional.linear(x, weight))
     from gemma4_spec.ops.small_linear_triton import small_linear_gelu_and_mul_kernel
 
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    out = small_linear_gelu_and_mul_kernel(rows, weight)
-    return out.reshape(*x.shape[:-1], weight.shape[0] // 2)
+    return _on_rows(small_linear_gelu_and_mul_kernel, x, weight)
 
 
 @small_linear_gelu_and_mul.register_fake
