@@ -265,8 +265,9 @@ def test_auto_draft_mode_sends_large_batches_only() -> None:
     assert patch_split_attention.draft_layers("auto", rows - 1) is None
     assert patch_split_attention.draft_layers("auto", rows) == "all"
     assert patch_split_attention.draft_layers("auto", 4 * rows) == "all"
-    for mode in ("all", "sliding"):  # the other modes whatever the batch
-        assert patch_split_attention.draft_layers(mode, 1) == mode
+    for mode in ("all", "sliding", None):  # the other modes (None: off) whatever the batch
+        for batch in (1, 4 * rows):
+            assert patch_split_attention.draft_layers(mode, batch) == mode
 
 
 def test_draft_routing_stays_off_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

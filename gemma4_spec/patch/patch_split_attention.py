@@ -162,7 +162,7 @@ def route_draft(device: torch.device) -> str | None:
     return mode
 
 
-def draft_layers(mode: str, rows: int) -> str | None:
+def draft_layers(mode: str | None, rows: int) -> str | None:
     """The layers (``mark_draft``'s mode) a draft batch of ``rows`` requests runs on our
     kernel under ``route_draft``'s ``mode``; None where it stays on vLLM's."""
     if mode != "auto":

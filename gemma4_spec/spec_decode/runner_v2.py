@@ -214,7 +214,7 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         mappings are not needed; the keys and positions stay those of the staged rows."""
         del num_reqs  # every staged row is drafted; padding rows have no keys
         n = num_tokens
-        layers = None if self._own_attention is None else draft_layers(self._own_attention, n)
+        layers = draft_layers(self._own_attention, n)
         if layers is not None and attn_metadata is not None:
             for metadata in attn_metadata.values():
                 mark_draft(metadata, layers)
