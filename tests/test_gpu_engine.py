@@ -221,9 +221,10 @@ ATTENTION_VARIANTS = {
     "own-large-batch-default": {"GEMMA4_SPEC_LARGE_VERIFY_TOKENS": "8"},
     # The draft's attention on our kernel (every draft layer), the verification's as default.
     "own-draft": {"GEMMA4_SPEC_OWN_DRAFT_ATTENTION": "1"},
-    # Not an attention setting, run the same way: the draft MLP's gate/up matmul and
-    # activation in one kernel.
+    # Not attention settings, run the same way: the draft MLP's gate/up matmul and activation
+    # in one kernel; the draft's query norm and rotary embedding in one kernel.
     "fused-gelu": {"GEMMA4_SPEC_FUSED_GELU": "1"},
+    "fused-qrope": {"GEMMA4_SPEC_FUSED_QROPE": "1"},
 }
 
 

@@ -43,6 +43,7 @@ from vllm.sequence import IntermediateTensors
 
 from gemma4_spec.ops.centroid_argmax import CentroidMask, masked_logits
 from gemma4_spec.ops.centroid_argmax_triton import centroid_argmax_fused
+from gemma4_spec.ops.q_norm_rope import fuses_q_rope
 from gemma4_spec.ops.small_linear import fuses_gelu, use_small_rows_linear
 from gemma4_spec.ops.vocab_argmax_triton import vocab_argmax
 from gemma4_spec.validation import SLIDING_ATTENTION, kv_source_layers, layer_attention_shape
@@ -109,11 +110,27 @@ class QOnlyAttention(nn.Module):
             kv_sharing_target_layer_name=kv_source,
             prefix=f"{prefix}.attn",
         )
+        # The query norm and rotary embedding as one op (q_norm_rope); set by the model for
+        # its device (fuse_q_rope).
+        self.fused_q_rope = False
+
+    def fuse_q_rope(self, device: torch.device | str | None) -> None:
+        self.fused_q_rope = fuses_q_rope(self.rotary_emb, device)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, _ = self.q_proj(hidden_states)
-        q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).flatten(-2)
-        q, _ = self.rotary_emb(positions, q, None)
+        if self.fused_q_rope:
+            q = torch.ops.gemma4_spec.q_norm_rope(
+                q,
+                self.q_norm.weight,
+                self.rotary_emb.cos_sin_cache,
+                positions,
+                self.q_norm.variance_epsilon,
+                self.head_dim,
+            )
+        else:
+            q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).flatten(-2)
+            q, _ = self.rotary_emb(positions, q, None)
         out = self.attn(q, None, None)
         out, _ = self.o_proj(out)
         return out
@@ -292,6 +309,8 @@ class Gemma4AssistantForDrafting(nn.Module):
         for module in self.modules():
             if isinstance(module, AssistantMLP):
                 module.fuse_gelu()
+            elif isinstance(module, QOnlyAttention):
+                module.fuse_q_rope(vllm_config.device_config.device)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.model.embed_tokens is None:
