@@ -13,7 +13,7 @@ runs (``--smoke``: small heads, for ``TRITON_INTERPRET=1``).
 
 Shapes: the E2B assistant's query, 8 heads of 256 (sliding layers) or 512 (the full layer),
 every value rotated (Gemma 4's proportional rotary embedding has ``rotary_dim = head_dim``).
-``ok``: ours within two roundings of the reference (``tests/test_q_norm_rope.py``'s rule).
+``ok``: ours within two roundings of the reference (``testing/closeness.py``, the tests' rule).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from centroid_argmax import (  # noqa: E402
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
 from gemma4_spec.ops.q_norm_rope import q_norm_rope, q_norm_rope_reference  # noqa: E402
+from gemma4_spec.testing.closeness import per_head_excess  # noqa: E402
 
 # name: (heads, head_dim)
 SHAPES = {"sliding": (8, 256), "full": (8, 512)}
@@ -74,13 +75,6 @@ def _variants(
     }
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor, head_dim: int) -> bool:
-    eps = 1e-5 if out.dtype == torch.float32 else 2 * torch.finfo(out.dtype).eps
-    heads = ref.float().view(ref.shape[0], -1, head_dim)
-    scale = heads.abs().amax(-1, keepdim=True).clamp_min(1e-6)
-    return bool(((out.float().view_as(heads) - heads).abs() <= eps * scale).all())
-
-
 def main() -> None:
     parser = kernel_bench_parser(__doc__.splitlines()[0], "--tokens", "1,8,16,32,64", cpu_reps=2)
     args = parser.parse_args()
@@ -112,7 +106,7 @@ def main() -> None:
                 v: _time_cuda_chain([fns[v]] * CHAIN, reps) if cuda else float("nan")
                 for v in ("ours", "compiled formula")
             }
-            ok = _close(fns["ours"](), fns["reference"](), head_dim)
+            ok = per_head_excess(fns["ours"](), fns["reference"](), head_dim) <= 0
             print(f"{name:8s} {t:3d} " + " ".join(f"{us[v]:16.2f}" for v in VARIANTS)
                   + f" {chain['ours']:11.2f} {chain['compiled formula']:14.2f}"
                   f" {'yes' if ok else 'NO':>3s}")  # fmt: skip

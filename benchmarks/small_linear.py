@@ -13,11 +13,12 @@ Shapes (``N x K``, from the published E2B assistant: hidden 256, 8 heads of 256 
 512 (full attention), MLP 2048, backbone 1536) and how many of each one draft step runs
 (``PER_STEP``). Columns: median us of ``ours`` (``small_linear``), ``cuBLAS`` (``F.linear``)
 and ``reference`` (float32 matmul); ``cuBLAS/ours``; ``splits`` of ours' launch; ``ok``: ours
-within one rounding of the reference. The ``step`` row sums each variant over a draft step's
-18 matmuls. The ``gated`` rows time the MLP's gate/up matmul with its activation: ours in
-one launch (``small_linear_gelu_and_mul``), ours then the activation kernel, cuBLAS then the
-activation kernel (vLLM's ``gelu_tanh_and_mul`` where installed; under torch.compile the
-engine runs Inductor's kernel of the same formula, one launch as well), and the reference.
+within one rounding of the reference (``testing/closeness.py``, the tests' rule). The ``step``
+row sums each variant over a draft step's 18 matmuls. The ``gated`` rows time the MLP's gate/up
+matmul with its activation: ours in one launch (``small_linear_gelu_and_mul``), ours then the
+activation kernel, cuBLAS then the activation kernel (vLLM's ``gelu_tanh_and_mul`` where
+installed; under torch.compile the engine runs Inductor's kernel of the same formula, one launch
+as well), and the reference.
 ``--sweep`` also times other tile sizes and splits per shape (``T`` = 1 and 8) and prints the
 fastest, for tuning ``small_linear_config``.
 """
@@ -48,6 +49,7 @@ from gemma4_spec.ops.small_linear_triton import (  # noqa: E402
     small_linear_config,
     small_linear_kernel,
 )
+from gemma4_spec.testing.closeness import largest_value_excess, one_rounding_excess  # noqa: E402
 
 # name: (N, K, matmuls of this shape per draft step)
 SHAPES: dict[str, tuple[int, int, int]] = {
@@ -64,20 +66,6 @@ SMOKE_SHAPES: dict[str, tuple[int, int, int]] = {"wide": (96, 40, 1), "long": (1
 VARIANTS = ("ours", "cuBLAS", "reference")
 GATED = "gate_up_proj"  # the shape the gated rows time
 GATED_VARIANTS = ("ours fused", "ours + act", "cuBLAS + act", "reference")
-
-
-def _close(out: torch.Tensor, ref: torch.Tensor) -> bool:
-    """Within one rounding of ``ref`` in ``out``'s dtype (sums in another order)."""
-    eps = torch.finfo(out.dtype).eps
-    return bool(((out.float() - ref.float()).abs() <= 2 * eps * ref.float().abs() + 1e-6).all())
-
-
-def _gated_close(out: torch.Tensor, ref: torch.Tensor) -> bool:
-    """Within a few roundings of the largest value (``tests/test_small_linear.py``'s rule: the
-    activation carries the products' rounding into values near zero)."""
-    eps = 1e-5 if out.dtype == torch.float32 else 2 * torch.finfo(out.dtype).eps
-    err = (out.float() - ref.float()).abs()
-    return bool((err <= eps * ref.float().abs() + eps * ref.float().abs().max()).all())
 
 
 def _sweep_configs(rows: int, n: int, k: int, device: torch.device) -> list[SmallLinearConfig]:
@@ -129,7 +117,7 @@ def main() -> None:
                 "reference": lambda x=x, w=w: small_linear_reference(x, w),
             }
             us = {v: timed(fns[v]) for v in VARIANTS}
-            ok = _close(small_linear(x, w), small_linear_reference(x, w))
+            ok = one_rounding_excess(small_linear(x, w), small_linear_reference(x, w)) <= 0
             splits = small_linear_config(t, n, k, device).splits
             for v in VARIANTS:
                 step[v] += per_step * us[v]
@@ -155,8 +143,11 @@ def main() -> None:
             "reference": lambda x=x: small_linear_gelu_and_mul_reference(x, w),
         }
         us = {v: timed(fns[v]) for v in GATED_VARIANTS}
-        ok = _gated_close(
-            small_linear_gelu_and_mul(x, w), small_linear_gelu_and_mul_reference(x, w)
+        ok = (
+            largest_value_excess(
+                small_linear_gelu_and_mul(x, w), small_linear_gelu_and_mul_reference(x, w)
+            )
+            <= 0
         )
         print(f"  T={t:<3d} " + " ".join(f"{us[v]:12.2f}" for v in GATED_VARIANTS)
               + f"  ok {'yes' if ok else 'NO'}")  # fmt: skip

@@ -21,6 +21,7 @@ from gemma4_spec.ops.q_norm_rope import (
     q_norm_rope_applies,
     q_norm_rope_reference,
 )
+from gemma4_spec.testing.closeness import per_head_excess
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_TRITON),
@@ -34,11 +35,8 @@ SHAPES = ((1, 2, 16, 16), (5, 3, 32, 8), (3, 2, 24, 24), (2, 8, 256, 256), (1, 8
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, head_dim: int) -> None:
     assert out.dtype == ref.dtype and out.shape == ref.shape
-    eps = 1e-5 if out.dtype == torch.float32 else 2 * torch.finfo(out.dtype).eps
-    heads = ref.float().view(ref.shape[0], -1, head_dim)
-    scale = heads.abs().amax(-1, keepdim=True).clamp_min(1e-6)
-    error = (out.float().view_as(heads) - heads).abs() / scale
-    assert error.max().item() <= eps, f"off by {error.max().item()} of a head's largest value"
+    worst = per_head_excess(out, ref, head_dim)
+    assert worst <= 0, f"off by {worst} beyond two roundings of a head's largest value"
 
 
 def _operands(

@@ -30,6 +30,7 @@ from gemma4_spec.ops.small_linear import (
     small_linear_reference,
     use_small_rows_linear,
 )
+from gemma4_spec.testing.closeness import largest_value_excess, one_rounding_excess
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_TRITON),
@@ -46,11 +47,7 @@ ASSISTANT_SHAPES = (
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert out.dtype == ref.dtype and out.shape == ref.shape
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-        return
-    step = torch.finfo(out.dtype).eps * ref.float().abs() + 1e-6  # one rounding at |ref|
-    worst = ((out.float() - ref.float()).abs() - step).max().item()
+    worst = one_rounding_excess(out, ref)
     assert worst <= 0, f"off by {worst} beyond one rounding"
 
 
@@ -105,13 +102,10 @@ GATED_SHAPES = ((1, 16, 40), (3, 40, 72), (17, 24, 256), (32, 48, 100))
 
 
 def _assert_gated_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    """Within a few roundings of the largest value: the kernel's gate and up may each differ
-    from the reference's by one rounding (sums in another order), which the activation and
-    the product carry into the result before its own rounding."""
+    """Within a few roundings of the largest value (``largest_value_excess``)."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
-    eps = 1e-5 if out.dtype == torch.float32 else 2 * torch.finfo(out.dtype).eps
-    scale = ref.float().abs().max().item()
-    torch.testing.assert_close(out.float(), ref.float(), rtol=eps, atol=eps * scale)
+    worst = largest_value_excess(out, ref)
+    assert worst <= 0, f"off by {worst} beyond two roundings of the largest value"
 
 
 def _check_gated_against_reference(device: str) -> None:
