@@ -12,14 +12,14 @@ Needs only torch and triton. The chain: the E2B assistant's 4 layers (3 sliding,
 heads) and its post-projection; attention is left out (the rotated queries are the output
 projection's input), so the chain is 17 matmuls with 18 elementwise steps between them, each a
 torch.compile'd (Inductor) kernel on CUDA as in the compiled draft model (the query norm and
-rotary embedding: Inductor's two). Every variant is captured in a CUDA graph and timed by
-``centroid_argmax.py``'s harness (cold L2 before each replay, CUDA events, the median of
-``--reps``); the kernel isolated from its neighbours (``small_linear.py``) leaves out what its
-neighbours in the graph cost it or save it. Columns: us per chain, ``cuBLAS/ours`` and
-``ours/fused``, and each variant's largest error against the reference relative to its row's
-RMS. On CPU (``--smoke``, ``TRITON_INTERPRET=1``) it only checks that the chain runs. Before
-the thirty-first session the chain had no query norm and rotary embedding: its earlier figures
-are not comparable.
+rotary embedding: vLLM's formula, ``q_norm_rope.py``'s ``vllm_formula``, Inductor's two).
+Every variant is captured in a CUDA graph and timed by ``centroid_argmax.py``'s harness (cold
+L2 before each replay, CUDA events, the median of ``--reps``); the kernel isolated from its
+neighbours (``small_linear.py``) leaves out what its neighbours in the graph cost it or save
+it. Columns: us per chain, ``cuBLAS/ours`` and ``ours/fused``, and each variant's largest error
+against the reference relative to its row's RMS. On CPU (``--smoke``, ``TRITON_INTERPRET=1``)
+it only checks that the chain runs. Before the thirty-first session the chain had no query norm
+and rotary embedding: its earlier figures are not comparable.
 """
 
 from __future__ import annotations
@@ -34,12 +34,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from centroid_argmax import _time_cpu, _time_cuda, bench_setup, kernel_bench_parser  # noqa: E402
+from q_norm_rope import EPS, MAX_POSITION, rotary_cache, vllm_formula  # noqa: E402
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
 from gemma4_spec.ops.q_norm_rope import q_norm_rope, q_norm_rope_reference  # noqa: E402
 from gemma4_spec.ops.small_linear import (  # noqa: E402
+    gelu_and_mul_formula,
     small_linear,
     small_linear_gelu_and_mul,
+    small_linear_gelu_and_mul_reference,
     small_linear_reference,
 )
 
@@ -48,8 +51,6 @@ CHAIN = (256, 2048, (2048, 2048, 2048, 4096), 1536)
 SMOKE_CHAIN = (64, 80, (96, 96, 96, 128), 48)
 VARIANTS = ("cuBLAS", "ours", "ours fused", "reference")
 HEADS = 8
-MAX_POSITION = 4096
-EPS = 1e-6
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -67,11 +68,6 @@ def _residual_norm(
     return h, _norm(h, pre)
 
 
-def _gelu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return (torch.nn.functional.gelu(gate.float(), approximate="tanh") * up.float()).to(up.dtype)
-
-
 def _weights(
     sizes: tuple[int, int, tuple[int, ...], int], device: torch.device, dtype: torch.dtype
 ) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -84,16 +80,11 @@ def _weights(
     def gain(size: int = hidden) -> torch.Tensor:
         return (1 + 0.2 * torch.randn(size, generator=gen)).to(device, dtype)
 
-    def rotary(head_dim: int) -> torch.Tensor:  # [positions, cos | sin], every value rotated
-        freqs = 1e4 ** (-torch.arange(head_dim // 2) / head_dim)
-        angles = torch.outer(torch.arange(float(MAX_POSITION)), freqs)
-        return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device, dtype)
-
     layers = [
         {"q": matrix(q, hidden), "o": matrix(hidden, q), "gate_up": matrix(2 * inner, hidden),
          "down": matrix(hidden, inner), "input_norm": gain(), "post_attn_norm": gain(),
          "pre_mlp_norm": gain(), "post_mlp_norm": gain(), "q_norm": gain(q // HEADS),
-         "rotary": rotary(q // HEADS)}
+         "rotary": rotary_cache(q // HEADS, device, dtype)}
         for q in queries
     ]  # fmt: skip
     return layers, {"norm": gain(), "post": matrix(backbone, hidden)}
@@ -133,7 +124,7 @@ def _variants(cuda: bool) -> dict[str, ChainOps]:
     compiled draft model."""
     compiled = torch.compile if cuda else (lambda fn: fn)
     norm, residual_norm = compiled(_norm), compiled(_residual_norm)
-    act, q_rope = compiled(_gelu_mul), compiled(q_norm_rope_reference)
+    act, q_rope = compiled(gelu_and_mul_formula), compiled(vllm_formula)
 
     def unfused(linear: Linear) -> ChainOps:
         return ChainOps(linear, norm, residual_norm, lambda x, w: act(linear(x, w)), q_rope)
@@ -148,7 +139,7 @@ def _variants(cuda: bool) -> dict[str, ChainOps]:
             small_linear_reference,
             _norm,
             _residual_norm,
-            lambda x, w: _gelu_mul(small_linear_reference(x, w)),
+            small_linear_gelu_and_mul_reference,
             q_norm_rope_reference,
         ),
     }

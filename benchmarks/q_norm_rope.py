@@ -47,14 +47,26 @@ EPS = 1e-6
 MAX_POSITION = 4096
 
 
+def rotary_cache(head_dim: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``[MAX_POSITION, cos | sin]`` rotating every value of a head, base 1e4."""
+    freqs = 1e4 ** (-torch.arange(head_dim // 2) / head_dim)
+    angles = torch.outer(torch.arange(float(MAX_POSITION)), freqs)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(device, dtype)
+
+
 def vllm_formula(
-    q: torch.Tensor, weight: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor, head_dim: int
+    q: torch.Tensor,
+    weight: torch.Tensor,
+    cache: torch.Tensor,
+    pos: torch.Tensor,
+    eps: float,
+    head_dim: int,
 ) -> torch.Tensor:
     """vLLM's RMSNorm and neox rotary embedding as their native forwards write them (the
     norm rounded before its weight, the rotation in the query's dtype)."""
     rows = q.shape[0]
     x = q.view(rows, -1, head_dim).float()
-    x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)).to(q.dtype) * weight
+    x = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(q.dtype) * weight
     cos, sin = cache.index_select(0, pos).unsqueeze(1).chunk(2, dim=-1)
     first, second = x.chunk(2, dim=-1)
     return torch.cat([first * cos - second * sin, second * cos + first * sin], -1).view(rows, -1)
@@ -70,7 +82,7 @@ def _variants(
 ) -> dict[str, Callable[[], torch.Tensor]]:
     return {
         "ours": lambda: q_norm_rope(q, weight, cache, pos, EPS, head_dim),
-        "compiled formula": lambda: compiled(q, weight, cache, pos, head_dim),
+        "compiled formula": lambda: compiled(q, weight, cache, pos, EPS, head_dim),
         "reference": lambda: q_norm_rope_reference(q, weight, cache, pos, EPS, head_dim),
     }
 
@@ -90,10 +102,7 @@ def main() -> None:
           + f" {'chain ours':>11s} {'chain compiled':>14s} {'ok':>3s}")  # fmt: skip
     for name, (heads, head_dim) in shapes.items():
         weight = (1 + torch.rand(head_dim, generator=gen)).to(device, dtype)
-        angles = torch.outer(
-            torch.arange(float(MAX_POSITION)), 1e4 ** (-torch.arange(head_dim // 2) / head_dim)
-        )
-        cache = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device, dtype)
+        cache = rotary_cache(head_dim, device, dtype)
         for t in [int(x) for x in args.tokens.split(",")]:
             q = torch.randn(t, heads * head_dim, generator=gen).to(device, dtype)
             pos = torch.randint(0, MAX_POSITION, (t,), generator=gen).to(device)

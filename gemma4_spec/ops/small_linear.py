@@ -106,10 +106,10 @@ def small_linear_gelu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor) -
     product as ``small_linear_reference`` gives it, the activation and product in float32,
     rounded once to ``x``'s dtype (vLLM's ``GeluAndMul(approximate="tanh")`` on the matmul's
     output)."""
-    return _gelu_and_mul_formula(small_linear_reference(x, weight))
+    return gelu_and_mul_formula(small_linear_reference(x, weight))
 
 
-def _gelu_and_mul_formula(gate_up: torch.Tensor) -> torch.Tensor:
+def gelu_and_mul_formula(gate_up: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(gate) * up`` of ``gate_up = [gate, up]`` (last dimension) in float32,
     rounded once to its dtype."""
     gate, up = gate_up.float().chunk(2, dim=-1)
@@ -121,7 +121,7 @@ def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     where vLLM's kernels are installed, else torch's formula."""
     fused = getattr(getattr(torch.ops, "_C", None), "gelu_tanh_and_mul", None)
     if fused is None or not gate_up.is_cuda:
-        return _gelu_and_mul_formula(gate_up)
+        return gelu_and_mul_formula(gate_up)
     out = gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
     fused(out, gate_up)
     return out
