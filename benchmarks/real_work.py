@@ -200,9 +200,6 @@ SETTINGS = {
     "draft": "GEMMA4_SPEC_OWN_DRAFT_ATTENTION",
     "gelu": "GEMMA4_SPEC_FUSED_GELU",
     "qrope": "GEMMA4_SPEC_FUSED_QROPE",
-    "pdl": "GEMMA4_SPEC_PDL",
-    # Inductor's own dependent launches, for the whole engine (target and draft): diagnostic.
-    "inductorpdl": "TORCHINDUCTOR_ENABLE_PDL",
     "segments": "GEMMA4_SPEC_VERIFY_SEGMENTS",
 }
 

@@ -222,16 +222,9 @@ ATTENTION_VARIANTS = {
     # The draft's attention on our kernel (every draft layer), the verification's as default.
     "own-draft": {"GEMMA4_SPEC_OWN_DRAFT_ATTENTION": "1"},
     # Not attention settings, run the same way: the draft MLP's gate/up matmul and activation
-    # in one kernel; the draft's query norm and rotary embedding in one kernel; both, with
-    # the draft's kernels (ours and Inductor's) launched dependent.
+    # in one kernel; the draft's query norm and rotary embedding in one kernel.
     "fused-gelu": {"GEMMA4_SPEC_FUSED_GELU": "1"},
     "fused-qrope": {"GEMMA4_SPEC_FUSED_QROPE": "1"},
-    "fused-pdl": {
-        "GEMMA4_SPEC_FUSED_GELU": "1",
-        "GEMMA4_SPEC_FUSED_QROPE": "1",
-        "GEMMA4_SPEC_PDL": "1",
-        "TORCHINDUCTOR_ENABLE_PDL": "1",
-    },
 }
 
 

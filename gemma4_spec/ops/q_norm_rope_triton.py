@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
-from gemma4_spec.ops.dependent_launch import dependent_launch
 
 if HAS_TRITON:
     import triton
@@ -33,7 +32,6 @@ if HAS_TRITON:
         HEAD: tl.constexpr,
         HEAD_PAD: tl.constexpr,
         HALF: tl.constexpr,  # rotary_dim / 2
-        GDC: tl.constexpr = False,  # launched dependent (ops/dependent_launch.py)
     ):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
@@ -43,23 +41,18 @@ if HAS_TRITON:
         rotated = offs < 2 * HALF
         partner = tl.where(first, offs + HALF, tl.where(rotated, offs - HALF, offs))
         row = q_ptr + t * stride_q + h * HEAD
-        # The norm's weights load before the wait: no kernel writes them.
+        x = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
+        x_partner = tl.load(row + partner, mask=ok, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD + eps)
+        dtype = out_ptr.dtype.element_ty
         w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
         w_partner = tl.load(w_ptr + partner, mask=ok, other=0.0).to(tl.float32)
-        if GDC:
-            tl.extra.cuda.gdc_wait()
+        normed = (x * rstd * w).to(dtype).to(tl.float32)
+        normed_partner = (x_partner * rstd * w_partner).to(dtype).to(tl.float32)
         angle = tl.where(first, offs, offs - HALF)
         cache = cache_ptr + tl.load(pos_ptr + t).to(tl.int64) * stride_cache
         cos = tl.load(cache + angle, mask=ok & rotated, other=1.0).to(tl.float32)
         sin = tl.load(cache + HALF + angle, mask=ok & rotated, other=0.0).to(tl.float32)
-        x = tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
-        x_partner = tl.load(row + partner, mask=ok, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD + eps)
-        if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
-        dtype = out_ptr.dtype.element_ty
-        normed = (x * rstd * w).to(dtype).to(tl.float32)
-        normed_partner = (x_partner * rstd * w_partner).to(dtype).to(tl.float32)
         sign = tl.where(first, -1.0, 1.0)
         out = tl.where(rotated, normed * cos + sign * normed_partner * sin, normed)
         tl.store(out_ptr + t * stride_out + h * HEAD + offs, out.to(dtype), mask=ok)
@@ -79,10 +72,9 @@ def q_norm_rope_kernel(
     if rows == 0:
         return out
     head_pad = triton.next_power_of_2(head_dim)
-    pdl = dependent_launch(q.device)
     _q_norm_rope_kernel[(rows, width // head_dim)](
         q, weight, cos_sin_cache, positions, out, eps, q.stride(0), cos_sin_cache.stride(0),
         out.stride(0), HEAD=head_dim, HEAD_PAD=head_pad, HALF=cos_sin_cache.shape[-1] // 2,
-        GDC=pdl, num_warps=2 if head_pad > 256 else 1, launch_pdl=pdl,
+        num_warps=2 if head_pad > 256 else 1,
     )  # fmt: skip
     return out

@@ -36,7 +36,6 @@ from typing import NamedTuple
 import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON, _dot_precision, sm_count
-from gemma4_spec.ops.dependent_launch import dependent_launch
 from gemma4_spec.ops.device_counters import device_counters
 
 if HAS_TRITON:
@@ -112,7 +111,6 @@ if HAS_TRITON:
         PRECISION: tl.constexpr,
         UPCAST: tl.constexpr,
         GATED: tl.constexpr = False,  # w is [2N, K]: write gelu_tanh(x @ w[:N]^T) * x @ w[N:]^T
-        GDC: tl.constexpr = False,  # launched dependent (ops/dependent_launch.py)
     ):
         pid = tl.program_id(0)
         n_tiles = tl.cdiv(N, BLOCK_N)
@@ -128,33 +126,22 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)  # GATED: the up columns
         k_first = s * STEPS_PER_SPLIT * BLOCK_K
-        first = 0
-        if GDC:
-            # The first step's weights (no earlier kernel writes them) load before the wait;
-            # the activations, and everything stored, after it.
-            offs_k = k_first + tl.arange(0, BLOCK_K)
-            w_ok = n_ok[:, None] & (offs_k < K)[None, :]
-            w = tl.load(w_rows[:, None] + offs_k[None, :], mask=w_ok, other=0.0)
-            u = w
-            if GATED:
-                u = tl.load(w_rows[:, None] + N * stride_w + offs_k[None, :], mask=w_ok, other=0.0)
-            tl.extra.cuda.gdc_wait()
-            acc, acc_up = _step(
-                w, u, x_rows, offs_k, t_ok, K, acc, acc_up, PRECISION, UPCAST, GATED
-            )
-            first = 1
-        for j in range(first, STEPS_PER_SPLIT):
+        for j in range(0, STEPS_PER_SPLIT):
             offs_k = k_first + j * BLOCK_K + tl.arange(0, BLOCK_K)
-            w_ok = n_ok[:, None] & (offs_k < K)[None, :]
+            k_ok = offs_k < K
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            x_ok = t_ok[:, None] & k_ok[None, :]
             w = tl.load(w_rows[:, None] + offs_k[None, :], mask=w_ok, other=0.0)
-            u = w
+            x = tl.load(x_rows[:, None] + offs_k[None, :], mask=x_ok, other=0.0)
+            if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
+                w = w.to(tl.float32)
+                x = x.to(tl.float32)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
             if GATED:
                 u = tl.load(w_rows[:, None] + N * stride_w + offs_k[None, :], mask=w_ok, other=0.0)
-            acc, acc_up = _step(
-                w, u, x_rows, offs_k, t_ok, K, acc, acc_up, PRECISION, UPCAST, GATED
-            )
-        if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
+                if UPCAST:
+                    u = u.to(tl.float32)
+                acc_up = tl.dot(u, tl.trans(x), acc_up, input_precision=PRECISION)
         out_at = out_ptr + offs_t[None, :].to(tl.int64) * stride_out + offs_n[:, None]
         out_ok = n_ok[:, None] & t_ok[None, :]
         if SPLIT:
@@ -180,25 +167,6 @@ if HAS_TRITON:
             tl.store(out_at, (_gelu_tanh(gate) * up).to(dtype), mask=out_ok)
         else:
             tl.store(out_at, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
-
-    @triton.jit
-    def _step(
-        w, u, x_rows, offs_k, t_ok, K, acc, acc_up,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr, GATED: tl.constexpr,
-    ):  # fmt: skip
-        """One ``BLOCK_K`` step: this step's activations times the loaded weights ``w`` (and,
-        ``GATED``, the up rows ``u``), added to the accumulators."""
-        x_ok = t_ok[:, None] & (offs_k < K)[None, :]
-        x = tl.load(x_rows[:, None] + offs_k[None, :], mask=x_ok, other=0.0)
-        if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
-            w = w.to(tl.float32)
-            x = x.to(tl.float32)
-        acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-        if GATED:
-            if UPCAST:
-                u = u.to(tl.float32)
-            acc_up = tl.dot(u, tl.trans(x), acc_up, input_precision=PRECISION)
-        return acc, acc_up
 
     @triton.jit
     def _gelu_tanh(x):
@@ -248,12 +216,10 @@ def small_linear_kernel(
     else:
         counters = part = out  # not read
     precision, upcast = _dot_precision(x)
-    pdl = dependent_launch(x.device)
     _small_linear_kernel[(tiles * cfg.splits,)](
         x, weight, part, counters, out, rows, columns, depth, x.stride(0), weight.stride(0),
         out.stride(0), cfg.splits, cfg.steps_per_split, BLOCK_T=cfg.block_t,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=split, PRECISION=precision,
-        UPCAST=upcast, GATED=gated, GDC=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, launch_pdl=pdl,
+        UPCAST=upcast, GATED=gated, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
