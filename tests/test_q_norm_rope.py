@@ -162,7 +162,7 @@ def test_custom_op_compiles_with_dynamic_rows() -> None:
         torch.testing.assert_close(compiled(q[:rows], pos[:rows]), want)
 
 
-def test_fused_q_rope_is_opt_in_and_cuda_only(set_env) -> None:  # type: ignore[no-untyped-def]
+def test_fused_q_rope_is_on_unless_turned_off_and_cuda_only(set_env) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm")
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -171,9 +171,10 @@ def test_fused_q_rope_is_opt_in_and_cuda_only(set_env) -> None:  # type: ignore[
 
     with set_current_vllm_config(VllmConfig()):
         rope = get_rope(16, max_position=64, rope_parameters=dict(rope_type="default"))
-    assert not module.fuses_q_rope(rope, "cuda")  # off unless asked
-    set_env(FUSED_QROPE_ENV, "1")
+    set_env(FUSED_QROPE_ENV, None)
     assert not module.fuses_q_rope(rope, "cpu")
     assert not module.fuses_q_rope(rope, None)
     if torch.cuda.is_available() and HAS_TRITON:
-        assert module.fuses_q_rope(rope, "cuda")
+        assert module.fuses_q_rope(rope, "cuda")  # on unless turned off
+    set_env(FUSED_QROPE_ENV, "0")
+    assert not module.fuses_q_rope(rope, "cuda")

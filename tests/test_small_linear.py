@@ -155,7 +155,7 @@ def test_gated_falls_back_past_the_row_limit() -> None:
     assert not small_linear_gelu_and_mul_applies(x[:3], odd), "no even split into gate and up"
 
 
-def test_fused_gelu_is_opt_in_and_needs_the_small_rows_method(set_env) -> None:  # type: ignore[no-untyped-def]
+def test_fused_gelu_is_on_unless_turned_off_and_needs_the_small_rows_method(set_env) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
@@ -164,7 +164,10 @@ def test_fused_gelu_is_opt_in_and_needs_the_small_rows_method(set_env) -> None: 
     layer = torch.nn.Module()
     layer.quant_method = small_rows_linear_method()
     layer.bias = None
-    assert not fuses_gelu(layer, FUSED_ACTIVATION)  # off unless asked
+    set_env(FUSED_GELU_ENV, None)
+    assert fuses_gelu(layer, FUSED_ACTIVATION)  # on unless turned off
+    set_env(FUSED_GELU_ENV, "0")
+    assert not fuses_gelu(layer, FUSED_ACTIVATION)
     set_env(FUSED_GELU_ENV, "1")
     assert fuses_gelu(layer, FUSED_ACTIVATION)
     assert not fuses_gelu(layer, "gelu")  # another activation than the kernel's

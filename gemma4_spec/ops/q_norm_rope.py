@@ -18,7 +18,7 @@ within it, and the target verifies every draft.
 
 ``q_norm_rope`` (custom op ``gemma4_spec::q_norm_rope``, opaque to torch.compile) runs the
 kernel on CUDA (or Triton's CPU interpreter) and the reference elsewhere. The assistant uses it
-with ``GEMMA4_SPEC_FUSED_QROPE=1`` (``fuses_q_rope``) until the engine benchmark measures it.
+on CUDA (``fuses_q_rope``) unless ``GEMMA4_SPEC_FUSED_QROPE=0``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable
-from gemma4_spec.switches import turned_on
+from gemma4_spec.switches import turned_off
 
 FUSED_QROPE_ENV = "GEMMA4_SPEC_FUSED_QROPE"
 Q_NORM_ROPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -113,9 +113,9 @@ def _(
 
 def fuses_q_rope(rotary_emb: nn.Module, device: torch.device | str | None) -> bool:
     """Whether an assistant layer runs its query norm and ``rotary_emb`` as ``q_norm_rope``:
-    ``GEMMA4_SPEC_FUSED_QROPE=1``, on CUDA, for a neox-style rotary embedding whose cache is
+    on CUDA unless ``GEMMA4_SPEC_FUSED_QROPE=0``, for a neox-style rotary embedding whose cache is
     ``[positions, rotary_dim]`` (vLLM's ``RotaryEmbedding`` and Gemma 4's proportional one)."""
-    if device is None or not turned_on(FUSED_QROPE_ENV):
+    if device is None or turned_off(FUSED_QROPE_ENV):
         return False
     device = torch.device(device)
     cache = getattr(rotary_emb, "cos_sin_cache", None)

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable
-from gemma4_spec.switches import turned_off, turned_on
+from gemma4_spec.switches import turned_off
 
 SMALL_LINEAR_ENV = "GEMMA4_SPEC_SMALL_LINEAR"
 # Opt-in until the engine benchmark measures it: the draft MLP's gate/up matmul and activation
@@ -190,9 +190,9 @@ _METHOD_CLASS: type | None = None
 def fuses_gelu(layer: nn.Module, activation: str) -> bool:
     """Whether a merged gate/up ``layer`` followed by ``activation`` runs as
     ``small_linear_gelu_and_mul``: the layer has the small-rows method (unquantized, on
-    CUDA), the activation is the kernel's, and ``GEMMA4_SPEC_FUSED_GELU=1``."""
+    CUDA), the activation is the kernel's, and ``GEMMA4_SPEC_FUSED_GELU`` is not "0"."""
     return (
-        turned_on(FUSED_GELU_ENV)
+        not turned_off(FUSED_GELU_ENV)
         and activation == FUSED_ACTIVATION
         and _METHOD_CLASS is not None
         and isinstance(getattr(layer, "quant_method", None), _METHOD_CLASS)
