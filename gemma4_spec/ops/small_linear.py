@@ -39,8 +39,8 @@ from gemma4_spec.ops.centroid_argmax_triton import triton_usable
 from gemma4_spec.switches import turned_off
 
 SMALL_LINEAR_ENV = "GEMMA4_SPEC_SMALL_LINEAR"
-# Opt-in until the engine benchmark measures it: the draft MLP's gate/up matmul and activation
-# in one launch (small_linear_gelu_and_mul).
+# "0" turns off the draft MLP's gate/up matmul and activation in one launch
+# (small_linear_gelu_and_mul), the default on CUDA.
 FUSED_GELU_ENV = "GEMMA4_SPEC_FUSED_GELU"
 # The activation the fused kernel computes (Gemma 4's, vLLM's GeluAndMul(approximate="tanh")).
 FUSED_ACTIVATION = "gelu_pytorch_tanh"
