@@ -21,6 +21,14 @@ installed; under torch.compile the engine runs Inductor's kernel of the same for
 as well), and the reference.
 ``--sweep`` also times other tile sizes and splits per shape (``T`` = 1 and 8) and prints the
 fastest, for tuning ``small_linear_config``.
+
+``--target`` times the E2B target's matmuls instead (``TARGET_SHAPES``, per forward: the
+verification's rows are ``B (k + 1)``, plain decoding's ``B``), its ``step`` row one forward's:
+whether our kernel would verify faster than the cuBLAS kernels vLLM runs for the target, which
+take ~2.8 ms of a ~4.4 ms step at k=2 B=16 on the H100 (``results/h100``, the thirty-third
+session), about half the bandwidth of the target's ~4.6 GB of matmul weights.
+
+    PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 1,3,8,16,24,32,48,64,96
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from gemma4_spec.ops.small_linear import (  # noqa: E402
 from gemma4_spec.ops.small_linear_triton import (  # noqa: E402
     SmallLinearConfig,
     small_linear_config,
+    small_linear_gelu_and_mul_kernel,
     small_linear_kernel,
 )
 from gemma4_spec.testing.closeness import largest_value_excess, one_rounding_excess  # noqa: E402
@@ -62,9 +71,27 @@ SHAPES: dict[str, tuple[int, int, int]] = {
     "down_proj": (256, 2048, 4),
     "post_projection": (1536, 256, 1),
 }
+# The E2B target's matmuls, one forward (vLLM's Gemma 4 layers: hidden 1536; 28 sliding layers
+# of 8 heads of 256 and 7 full of 8 of 512, one KV head, QKV as one matmul in every layer; MLP
+# 6144, double-wide in the 20 KV-shared layers; per-layer inputs of 256; vocab 262144).
+TARGET_SHAPES: dict[str, tuple[int, int, int]] = {
+    "qkv sliding": (2560, 1536, 28),
+    "qkv full": (5120, 1536, 7),
+    "o sliding": (1536, 2048, 28),
+    "o full": (1536, 4096, 7),
+    "gate_up": (12288, 1536, 15),
+    "gate_up double": (24576, 1536, 20),
+    "down": (1536, 6144, 15),
+    "down double": (1536, 12288, 20),
+    "ple gate": (256, 1536, 35),
+    "ple projection": (1536, 256, 35),
+    "ple model proj": (8960, 1536, 1),
+    "lm_head": (262144, 1536, 1),
+}
 SMOKE_SHAPES: dict[str, tuple[int, int, int]] = {"wide": (96, 40, 1), "long": (16, 600, 2)}
 VARIANTS = ("ours", "cuBLAS", "reference")
 GATED = "gate_up_proj"  # the shape the gated rows time
+TARGET_GATED = "gate_up"  # with --target
 GATED_VARIANTS = ("ours fused", "ours + act", "cuBLAS + act", "reference")
 
 
@@ -88,9 +115,16 @@ def main() -> None:
         __doc__.splitlines()[0], "--tokens", "1,2,4,8,16,32,64", cpu_reps=2
     )
     parser.add_argument("--sweep", action="store_true", help="also time other tile sizes")
+    parser.add_argument(
+        "--target", action="store_true", help="the E2B target's matmuls, not the draft's"
+    )
     args = parser.parse_args()
     device, dtype, cuda, reps = bench_setup(args)
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    shapes = SMOKE_SHAPES if args.smoke else TARGET_SHAPES if args.target else SHAPES
+    # The ops hand rows past SMALL_LINEAR_MAX_ROWS to cuBLAS: the target's rows go to the
+    # kernels themselves.
+    ours = small_linear_kernel if args.target else small_linear
+    fused = small_linear_gelu_and_mul_kernel if args.target else small_linear_gelu_and_mul
     if not triton_usable(device):
         sys.exit("needs CUDA and triton, or TRITON_INTERPRET=1 on CPU")
     flush = torch.empty(64 << 20 if cuda else 1, dtype=torch.float32, device=device)
@@ -112,12 +146,12 @@ def main() -> None:
             w = weights[name]
             x = torch.randn(t, k, generator=gen).to(device, dtype)
             fns = {
-                "ours": lambda x=x, w=w: small_linear(x, w),
+                "ours": lambda x=x, w=w: ours(x, w),
                 "cuBLAS": lambda x=x, w=w: torch.nn.functional.linear(x, w),
                 "reference": lambda x=x, w=w: small_linear_reference(x, w),
             }
             us = {v: timed(fns[v]) for v in VARIANTS}
-            ok = one_rounding_excess(small_linear(x, w), small_linear_reference(x, w)) <= 0
+            ok = one_rounding_excess(ours(x, w), small_linear_reference(x, w)) <= 0
             splits = small_linear_config(t, n, k, device).splits
             for v in VARIANTS:
                 step[v] += per_step * us[v]
@@ -130,25 +164,21 @@ def main() -> None:
         print(f"{'step':16s} {'':11s} {t:3d} " + " ".join(f"{step[v]:9.2f}" for v in VARIANTS)
               + f" {step['cuBLAS'] / step['ours']:11.2f}\n")  # fmt: skip
         rows_out.append({"shape": "step", "tokens": t, "us": step})
-    n, k, _ = shapes.get(GATED, next(iter(shapes.values())))
-    w = weights.get(GATED, next(iter(weights.values())))
+    gated = TARGET_GATED if args.target else GATED
+    n, k, _ = shapes.get(gated, next(iter(shapes.values())))
+    w = weights.get(gated, next(iter(weights.values())))
     print(f"gated ({n}x{k} stacked gate/up, then gelu_tanh(gate) * up): "
           + " ".join(f"{v:>12s}" for v in GATED_VARIANTS))  # fmt: skip
     for t in [int(x) for x in args.tokens.split(",")]:
         x = torch.randn(t, k, generator=gen).to(device, dtype)
         fns = {
-            "ours fused": lambda x=x: small_linear_gelu_and_mul(x, w),
-            "ours + act": lambda x=x: gelu_and_mul(small_linear(x, w)),
+            "ours fused": lambda x=x: fused(x, w),
+            "ours + act": lambda x=x: gelu_and_mul(ours(x, w)),
             "cuBLAS + act": lambda x=x: gelu_and_mul(torch.nn.functional.linear(x, w)),
             "reference": lambda x=x: small_linear_gelu_and_mul_reference(x, w),
         }
         us = {v: timed(fns[v]) for v in GATED_VARIANTS}
-        ok = (
-            largest_value_excess(
-                small_linear_gelu_and_mul(x, w), small_linear_gelu_and_mul_reference(x, w)
-            )
-            <= 0
-        )
+        ok = largest_value_excess(fused(x, w), small_linear_gelu_and_mul_reference(x, w)) <= 0
         print(f"  T={t:<3d} " + " ".join(f"{us[v]:12.2f}" for v in GATED_VARIANTS)
               + f"  ok {'yes' if ok else 'NO'}")  # fmt: skip
         rows_out.append({"shape": "gated", "n": n, "k": k, "tokens": t, "us": us, "ok": ok})
