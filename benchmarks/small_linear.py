@@ -19,8 +19,8 @@ matmul with its activation: ours in one launch (``small_linear_gelu_and_mul``), 
 activation kernel, cuBLAS then the activation kernel (vLLM's ``gelu_tanh_and_mul`` where
 installed; under torch.compile the engine runs Inductor's kernel of the same formula, one launch
 as well), and the reference.
-``--sweep`` also times other tile sizes and splits per shape (``T`` = 1 and 8) and prints the
-fastest, for tuning ``small_linear_config``.
+``--sweep`` also times other tile sizes and splits per shape (``T`` from ``--sweep-tokens``, 1
+and 8 unless given) and prints the fastest, for tuning ``small_linear_config``.
 
 ``--target`` times the E2B target's matmuls instead (``TARGET_SHAPES``, per forward: the
 verification's rows are ``B (k + 1)``, plain decoding's ``B``), its ``step`` row one forward's:
@@ -29,6 +29,8 @@ take ~2.8 ms of a ~4.4 ms step at k=2 B=16 on the H100 (``results/h100``, the th
 session), about half the bandwidth of the target's ~4.6 GB of matmul weights.
 
     PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 1,3,8,16,24,32,48,64,96
+    PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 48 --sweep \
+        --sweep-tokens 3,24,48,96
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ def main() -> None:
         __doc__.splitlines()[0], "--tokens", "1,2,4,8,16,32,64", cpu_reps=2
     )
     parser.add_argument("--sweep", action="store_true", help="also time other tile sizes")
+    parser.add_argument("--sweep-tokens", default="1,8", help="the rows --sweep times")
     parser.add_argument(
         "--target", action="store_true", help="the E2B target's matmuls, not the draft's"
     )
@@ -184,7 +187,7 @@ def main() -> None:
         rows_out.append({"shape": "gated", "n": n, "k": k, "tokens": t, "us": us, "ok": ok})
     if args.sweep:
         print("sweep: the fastest launches per shape (block_n, splits x steps, warps: us)")
-        for t in (1, 8):
+        for t in [int(x) for x in args.sweep_tokens.split(",")]:
             for name, (n, k, _) in shapes.items():
                 w = weights[name]
                 x = torch.randn(t, k, generator=gen).to(device, dtype)
