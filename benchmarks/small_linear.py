@@ -97,18 +97,28 @@ TARGET_GATED = "gate_up"  # with --target
 GATED_VARIANTS = ("ours fused", "ours + act", "cuBLAS + act", "reference")
 
 
-def _sweep_configs(rows: int, n: int, k: int, device: torch.device) -> list[SmallLinearConfig]:
+def _sweep_configs(
+    rows: int, n: int, k: int, device: torch.device, wide: bool = False
+) -> list[SmallLinearConfig]:
+    """The launches ``--sweep`` times: tile widths, splits and warps around the default; with
+    ``wide`` (``--sweep-wide``, for the target's bandwidth-bound shapes) also K per step and
+    pipeline stages, with one split or the default's."""
     base = small_linear_config(rows, n, k, device)
-    steps = triton.cdiv(k, base.block_k)
     configs = []
-    for block_n in (16, 32, 64):
-        for splits in sorted({1, 2, 4, 8, 16, base.splits}):
-            if splits > steps:
-                continue
-            per = triton.cdiv(steps, splits)
-            for warps in (2, 4):
-                configs.append(base._replace(block_n=block_n, splits=triton.cdiv(steps, per),
-                                             steps_per_split=per, num_warps=warps))  # fmt: skip
+    for block_k in (64, 128, 256) if wide else (base.block_k,):
+        steps = triton.cdiv(k, block_k)
+        split_choices = {1, base.splits} if wide else {1, 2, 4, 8, 16, base.splits}
+        for block_n in (16, 32, 64):
+            for splits in sorted(split_choices):
+                if splits > steps:
+                    continue
+                per = triton.cdiv(steps, splits)
+                for warps in (4, 8) if wide else (2, 4):
+                    for stages in (2, 3, 4) if wide else (base.num_stages,):
+                        configs.append(base._replace(
+                            block_n=block_n, block_k=block_k, splits=triton.cdiv(steps, per),
+                            steps_per_split=per, num_warps=warps, num_stages=stages,
+                        ))  # fmt: skip
     return configs
 
 
@@ -118,6 +128,12 @@ def main() -> None:
     )
     parser.add_argument("--sweep", action="store_true", help="also time other tile sizes")
     parser.add_argument("--sweep-tokens", default="1,8", help="the rows --sweep times")
+    parser.add_argument(
+        "--sweep-wide", action="store_true", help="--sweep also over K per step and stages"
+    )
+    parser.add_argument(
+        "--sweep-shapes", default="", help="the shapes --sweep times (comma-separated; all)"
+    )
     parser.add_argument(
         "--target", action="store_true", help="the E2B target's matmuls, not the draft's"
     )
@@ -186,19 +202,29 @@ def main() -> None:
               + f"  ok {'yes' if ok else 'NO'}")  # fmt: skip
         rows_out.append({"shape": "gated", "n": n, "k": k, "tokens": t, "us": us, "ok": ok})
     if args.sweep:
-        print("sweep: the fastest launches per shape (block_n, splits x steps, warps: us)")
+        print(
+            "sweep: the fastest launches per shape (block_n, splits x steps x block_k, warps"
+            " stages: us)"
+        )
         for t in [int(x) for x in args.sweep_tokens.split(",")]:
             for name, (n, k, _) in shapes.items():
+                if args.sweep_shapes and name not in args.sweep_shapes.split(","):
+                    continue
                 w = weights[name]
                 x = torch.randn(t, k, generator=gen).to(device, dtype)
                 timings = []
-                for cfg in _sweep_configs(t, n, k, device):
-                    us = timed(lambda cfg=cfg, x=x, w=w: small_linear_kernel(x, w, cfg))
+                for cfg in _sweep_configs(t, n, k, device, args.sweep_wide):
+                    try:
+                        us = timed(lambda cfg=cfg, x=x, w=w: small_linear_kernel(x, w, cfg))
+                    except Exception as exc:  # e.g. tiles x stages past shared memory
+                        print(f"    skipped {cfg}: {type(exc).__name__}")
+                        continue
                     timings.append((us, cfg))
                 timings.sort(key=lambda item: item[0])
                 default = small_linear_config(t, n, k, device)
                 best = ", ".join(
-                    f"{c.block_n}, {c.splits}x{c.steps_per_split}, {c.num_warps}w: {us:.2f}"
+                    f"{c.block_n}, {c.splits}x{c.steps_per_split}x{c.block_k}, {c.num_warps}w"
+                    f"{c.num_stages}s: {us:.2f}"
                     for us, c in timings[:3]
                 )
                 default_us = next((us for us, c in timings if c == default), float("nan"))
