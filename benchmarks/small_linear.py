@@ -104,6 +104,8 @@ def _sweep_configs(
     ``wide`` (``--sweep-wide``, for the target's bandwidth-bound shapes) also K per step and
     pipeline stages, with one split or the default's."""
     base = small_linear_config(rows, n, k, device)
+    if wide:  # one row tile past 64 rows too (each row tile reads the whole weight)
+        base = base._replace(block_t=min(128, max(16, triton.next_power_of_2(rows))))
     configs = []
     for block_k in (64, 128, 256) if wide else (base.block_k,):
         steps = triton.cdiv(k, block_k)
@@ -114,7 +116,7 @@ def _sweep_configs(
                     continue
                 per = triton.cdiv(steps, splits)
                 for warps in (4, 8) if wide else (2, 4):
-                    for stages in (2, 3, 4) if wide else (base.num_stages,):
+                    for stages in (3, 4) if wide else (base.num_stages,):
                         configs.append(base._replace(
                             block_n=block_n, block_k=block_k, splits=triton.cdiv(steps, per),
                             steps_per_split=per, num_warps=warps, num_stages=stages,
@@ -223,7 +225,8 @@ def main() -> None:
                 timings.sort(key=lambda item: item[0])
                 default = small_linear_config(t, n, k, device)
                 best = ", ".join(
-                    f"{c.block_n}, {c.splits}x{c.steps_per_split}x{c.block_k}, {c.num_warps}w"
+                    f"{c.block_t}x{c.block_n}, {c.splits}x{c.steps_per_split}x{c.block_k}, "
+                    f"{c.num_warps}w"
                     f"{c.num_stages}s: {us:.2f}"
                     for us, c in timings[:3]
                 )
