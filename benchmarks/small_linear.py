@@ -110,7 +110,7 @@ def _sweep_configs(
     for block_k in (64, 128, 256) if wide else (base.block_k,):
         steps = triton.cdiv(k, block_k)
         split_choices = {1, base.splits} if wide else {1, 2, 4, 8, 16, base.splits}
-        for block_n in (16, 32, 64):
+        for block_n in (32, 64, 128) if wide else (16, 32, 64):
             for splits in sorted(split_choices):
                 if splits > steps:
                     continue
