@@ -10,8 +10,7 @@ several times over. ``ops/small_linear_triton.py`` computes the same product in 
 ``small_linear_reference`` defines it: float32 sums of the given values, rounded once to the
 input's dtype (what cuBLAS computes, up to the order of the sums). ``small_linear`` runs the
 kernel where it applies (``small_linear_applies``: CUDA or Triton's CPU interpreter, at most
-``max_rows`` rows, ``SMALL_LINEAR_MAX_ROWS`` for the draft) and ``torch.nn.functional.linear``
-elsewhere, as the custom op
+``SMALL_LINEAR_MAX_ROWS`` rows) and ``torch.nn.functional.linear`` elsewhere, as the custom op
 ``gemma4_spec::small_linear``, opaque to torch.compile: the row count is a dynamic dimension
 of the draft's compiled graph, and the choice between the two is made at run time (at capture,
 for a CUDA graph), so the compiled graph does not specialise on it.
@@ -27,13 +26,6 @@ without it).
 layout and all-reduces are unchanged: only the local matmul changes). The draft's tokens may
 change where two draft logits are within rounding of each other; the target verifies every
 draft, so the output does not.
-
-``use_target_rows_linear`` (opt-in, ``GEMMA4_SPEC_TARGET_LINEAR=1``) gives the same method to
-the target's unquantized layers, up to ``TARGET_MAX_ROWS`` rows: a verification step's ``B (k
-+ 1)`` rows read every weight of the target once, and cuBLAS's kernels for those few rows run
-well below the GPU's memory bandwidth. Unlike the draft's, the target's sums decide the output:
-in bfloat16 a product may differ from cuBLAS's by one rounding (the order of the sums), as two
-cuBLAS kernels for different row counts may; greedy float32 output stays plain decoding's.
 """
 
 from __future__ import annotations
@@ -43,11 +35,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gemma4_spec.log import get_logger
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable
-from gemma4_spec.switches import turned_off, turned_on
-
-logger = get_logger(__name__)
+from gemma4_spec.switches import turned_off
 
 SMALL_LINEAR_ENV = "GEMMA4_SPEC_SMALL_LINEAR"
 # "0" turns off the draft MLP's gate/up matmul and activation in one launch
@@ -59,10 +48,6 @@ FUSED_ACTIVATION = "gelu_pytorch_tanh"
 # draft step's matmuls up to 32 rows and slower at 64 (benchmarks/small_linear.py, figures in
 # benchmarks/results/h200).
 SMALL_LINEAR_MAX_ROWS = 32
-# Opt-in: the target's unquantized layers through the kernel too, up to TARGET_MAX_ROWS rows
-# (verification batches; prefill chunks stay on cuBLAS).
-TARGET_LINEAR_ENV = "GEMMA4_SPEC_TARGET_LINEAR"
-TARGET_MAX_ROWS = 128
 SMALL_LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -72,14 +57,12 @@ def small_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return (x.float() @ weight.float().t()).to(x.dtype)
 
 
-def small_linear_applies(
-    x: torch.Tensor, weight: torch.Tensor, max_rows: int = SMALL_LINEAR_MAX_ROWS
-) -> bool:
+def small_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``small_linear`` runs the kernel for these operands (else F.linear)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
         triton_usable(x.device)
-        and 0 < rows <= max_rows
+        and 0 < rows <= SMALL_LINEAR_MAX_ROWS
         and x.dtype in SMALL_LINEAR_DTYPES
         and weight.dtype == x.dtype
         and weight.dim() == 2
@@ -89,12 +72,10 @@ def small_linear_applies(
 
 
 @torch.library.custom_op("gemma4_spec::small_linear", mutates_args=())
-def small_linear(
-    x: torch.Tensor, weight: torch.Tensor, max_rows: int = SMALL_LINEAR_MAX_ROWS
-) -> torch.Tensor:
-    """``x [..., K] @ weight [N, K]^T`` in ``x``'s dtype: the Triton kernel up to ``max_rows``
-    rows, ``F.linear`` otherwise (module docstring)."""
-    if not small_linear_applies(x, weight, max_rows):
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K]^T`` in ``x``'s dtype: the Triton kernel for a few rows,
+    ``F.linear`` otherwise (module docstring)."""
+    if not small_linear_applies(x, weight):
         return nn.functional.linear(x, weight)
     from gemma4_spec.ops.small_linear_triton import small_linear_kernel
 
@@ -116,7 +97,7 @@ def _on_rows(
 
 
 @small_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, max_rows: int = SMALL_LINEAR_MAX_ROWS) -> torch.Tensor:
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -178,18 +159,14 @@ def _unquantized_method() -> type:
     return UnquantizedLinearMethod
 
 
-def small_rows_linear_method(max_rows: int = SMALL_LINEAR_MAX_ROWS) -> object:
-    """A ``SmallRowsLinearMethod`` for up to ``max_rows`` rows (the class is built on first
-    use: vLLM is imported then)."""
+def small_rows_linear_method() -> object:
+    """A ``SmallRowsLinearMethod`` (the class is built on first use: vLLM is imported then)."""
     global _METHOD_CLASS
     if _METHOD_CLASS is None:
         base = _unquantized_method()
 
         class SmallRowsLinearMethod(base):  # type: ignore[misc, valid-type]
-            """vLLM's unquantized linear method, its matmul through ``small_linear`` up to
-            ``max_rows`` rows."""
-
-            max_rows = SMALL_LINEAR_MAX_ROWS
+            """vLLM's unquantized linear method, its matmul through ``small_linear``."""
 
             def process_weights_after_loading(self, layer: nn.Module) -> None:
                 super().process_weights_after_loading(layer)
@@ -200,13 +177,11 @@ def small_rows_linear_method(max_rows: int = SMALL_LINEAR_MAX_ROWS) -> object:
             def apply(
                 self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
             ) -> torch.Tensor:
-                out = torch.ops.gemma4_spec.small_linear(x, layer.weight, self.max_rows)
+                out = torch.ops.gemma4_spec.small_linear(x, layer.weight)
                 return out if bias is None else out + bias
 
         _METHOD_CLASS = SmallRowsLinearMethod
-    method = _METHOD_CLASS()
-    method.max_rows = max_rows
-    return method
+    return _METHOD_CLASS()
 
 
 _METHOD_CLASS: type | None = None
@@ -225,12 +200,9 @@ def fuses_gelu(layer: nn.Module, activation: str) -> bool:
     )
 
 
-def use_small_rows_linear(
-    model: nn.Module, device: torch.device | str | None, max_rows: int = SMALL_LINEAR_MAX_ROWS
-) -> int:
-    """Gives every unquantized linear layer of ``model`` the small-rows method (up to
-    ``max_rows`` rows), on CUDA and unless ``GEMMA4_SPEC_SMALL_LINEAR=0``; returns how many
-    layers got it."""
+def use_small_rows_linear(model: nn.Module, device: torch.device | str | None) -> int:
+    """Gives every unquantized linear layer of ``model`` the small-rows method, on CUDA and
+    unless ``GEMMA4_SPEC_SMALL_LINEAR=0``; returns how many layers got it."""
     if device is None or turned_off(SMALL_LINEAR_ENV):
         return 0
     device = torch.device(device)
@@ -241,35 +213,6 @@ def use_small_rows_linear(
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if type(method) is base:
-            module.quant_method = small_rows_linear_method(max_rows)
+            module.quant_method = small_rows_linear_method()
             changed += 1
     return changed
-
-
-def use_target_rows_linear(target: nn.Module, device: torch.device | str | None) -> int:
-    """With ``GEMMA4_SPEC_TARGET_LINEAR=1``, the target's unquantized linear layers through
-    the kernel up to ``TARGET_MAX_ROWS`` rows (module docstring); returns how many layers got
-    it (0 when off)."""
-    if not turned_on(TARGET_LINEAR_ENV):
-        return 0
-    return use_small_rows_linear(target, device, TARGET_MAX_ROWS)
-
-
-def route_target_rows(target: nn.Module, device: torch.device | str | None) -> None:
-    """``use_target_rows_linear`` at a drafter's load, logged when it routes any layer."""
-    routed = use_target_rows_linear(target, device)
-    if routed:
-        logger.info(
-            "gemma4_spec: %d target linear layers run on the small-rows kernel up to %d rows "
-            "(%s=1).",
-            routed,
-            TARGET_MAX_ROWS,
-            TARGET_LINEAR_ENV,
-        )
-
-
-def small_rows_layers(model: nn.Module | None) -> int:
-    """How many layers of ``model`` have the small-rows method."""
-    if model is None or _METHOD_CLASS is None:
-        return 0
-    return sum(isinstance(getattr(m, "quant_method", None), _METHOD_CLASS) for m in model.modules())

@@ -42,7 +42,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-MAX_BLOCK_T = 128
+MAX_BLOCK_T = 64
 BLOCK_K = 128
 MIN_STEPS_PER_SPLIT = 2
 INTERPRET_SMS = 4  # "SM count" under the interpreter: several splits in small tests

@@ -36,7 +36,6 @@ from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.spec_decode.gemma4.speculator import Gemma4Speculator
 
 from gemma4_spec.ops.draft_inputs import DraftStepBuffers, RunnerV2Step, stage_runner_v2_inputs
-from gemma4_spec.ops.small_linear import route_target_rows
 from gemma4_spec.patch.patch_split_attention import draft_layers, mark_draft, route_draft
 
 
@@ -63,10 +62,6 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         # or eager run.
         self._own_attention: str | None = None
         self._own_attention_set_up = False
-
-    def load_model(self, target_model: torch.nn.Module) -> None:
-        super().load_model(target_model)
-        route_target_rows(target_model, self.device)
 
     def _draft_attention(self) -> None:
         if not self._own_attention_set_up:
