@@ -27,10 +27,17 @@ verification's rows are ``B (k + 1)``, plain decoding's ``B``), its ``step`` row
 whether our kernel would verify faster than the cuBLAS kernels vLLM runs for the target, which
 take ~2.8 ms of a ~4.4 ms step at k=2 B=16 on the H100 (``results/h100``, the thirty-third
 session), about half the bandwidth of the target's ~4.6 GB of matmul weights.
+``--forward`` (with ``--target``) times a whole forward's matmuls as the engine runs them: every
+matmul of the forward on a weight of its own (~4.6 GB: none is left in L2 for the next),
+captured back to back in one CUDA graph, for cuBLAS, ours as shipped and ours with the tiles the
+278d557 sweep found fastest at 48-96 rows (``tuned_config``); us a forward and the weight bytes
+read per second. One kernel at a time (the rows above) each matmul pays its start and drain
+alone; in a graph they run back to back.
 
     PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 1,3,8,16,24,32,48,64,96
     PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 48 --sweep \
         --sweep-tokens 3,24,48,96
+    PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --forward --tokens 1,16,48,96
 """
 
 from __future__ import annotations
@@ -38,15 +45,22 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).parent))
-from centroid_argmax import _time_cpu, _time_cuda, bench_setup, kernel_bench_parser  # noqa: E402
+from centroid_argmax import (  # noqa: E402
+    _time_cpu,
+    _time_cuda,
+    _time_cuda_chain,
+    bench_setup,
+    kernel_bench_parser,
+)
 
-from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
+from gemma4_spec.ops.centroid_argmax_triton import sm_count, triton_usable  # noqa: E402
 from gemma4_spec.ops.small_linear import (  # noqa: E402
     gelu_and_mul,
     small_linear,
@@ -55,6 +69,7 @@ from gemma4_spec.ops.small_linear import (  # noqa: E402
     small_linear_reference,
 )
 from gemma4_spec.ops.small_linear_triton import (  # noqa: E402
+    INTERPRET_SMS,
     SmallLinearConfig,
     small_linear_config,
     small_linear_gelu_and_mul_kernel,
@@ -124,6 +139,65 @@ def _sweep_configs(
     return configs
 
 
+def tuned_config(rows: int, n: int, k: int, device: torch.device) -> SmallLinearConfig:
+    """The tiles the 278d557 sweep found fastest for the target's shapes at 48-96 rows: one
+    row tile up to 128 rows, 64 columns, 128 of K a step, 4 stages; splits over K as the
+    shipped config makes them, from these tiles (the down projections' few column tiles)."""
+    base = small_linear_config(rows, n, k, device)
+    block_t = min(128, max(16, triton.next_power_of_2(rows)))
+    block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, block_t)
+    steps = triton.cdiv(k, block_k)
+    sms = sm_count(device, INTERPRET_SMS)
+    splits = 1
+    if steps >= 4 and tiles < sms:
+        splits = min(steps // 2, max(1, sms // tiles))
+    per = triton.cdiv(steps, splits)
+    return base._replace(block_t=block_t, block_n=block_n, block_k=block_k,
+                         splits=triton.cdiv(steps, per), steps_per_split=per, num_warps=4,
+                         num_stages=4)  # fmt: skip
+
+
+def time_forward(
+    shapes: dict[str, tuple[int, int, int]],
+    tokens: list[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int,
+) -> list[dict]:
+    """``--forward``: each variant's whole forward of matmuls in one CUDA graph (module
+    docstring), per row count."""
+    weights = [
+        torch.randn(n, k, device=device, dtype=dtype) / k**0.5
+        for n, k, per_step in shapes.values()
+        for _ in range(per_step)
+    ]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    rows_out = []
+    print(f"forward: {len(weights)} matmuls, {nbytes / 1e9:.2f} GB of weights, one CUDA graph")
+    print(f"{'T':>4s} {'cuBLAS us':>10s} {'ours us':>10s} {'tuned us':>10s} "
+          f"{'cuBLAS TB/s':>11s} {'tuned TB/s':>10s} {'cuBLAS/tuned':>12s}")  # fmt: skip
+    for t in tokens:
+        xs = {
+            k: torch.randn(t, k, device=device, dtype=dtype) for k in {w.shape[1] for w in weights}
+        }
+        pairs = [(xs[w.shape[1]], w) for w in weights]
+        chains = {
+            "cuBLAS": [partial(torch.nn.functional.linear, x, w) for x, w in pairs],
+            "ours": [partial(small_linear_kernel, x, w) for x, w in pairs],
+            "tuned": [
+                partial(small_linear_kernel, x, w, tuned_config(t, *w.shape, device))
+                for x, w in pairs
+            ],
+        }
+        us = {name: _time_cuda_chain(fns, reps) * len(fns) for name, fns in chains.items()}
+        print(f"{t:4d} {us['cuBLAS']:10.1f} {us['ours']:10.1f} {us['tuned']:10.1f} "
+              f"{nbytes / us['cuBLAS'] / 1e6:11.2f} {nbytes / us['tuned'] / 1e6:10.2f} "
+              f"{us['cuBLAS'] / us['tuned']:12.2f}")  # fmt: skip
+        rows_out.append({"forward": t, "us": us, "weight_bytes": nbytes})
+    return rows_out
+
+
 def main() -> None:
     parser = kernel_bench_parser(
         __doc__.splitlines()[0], "--tokens", "1,2,4,8,16,32,64", cpu_reps=2
@@ -137,6 +211,9 @@ def main() -> None:
         "--sweep-shapes", default="", help="the shapes --sweep times (comma-separated; all)"
     )
     parser.add_argument(
+        "--forward", action="store_true", help="with --target: a forward's matmuls in one graph"
+    )
+    parser.add_argument(
         "--target", action="store_true", help="the E2B target's matmuls, not the draft's"
     )
     args = parser.parse_args()
@@ -148,6 +225,13 @@ def main() -> None:
     fused = small_linear_gelu_and_mul_kernel if args.target else small_linear_gelu_and_mul
     if not triton_usable(device):
         sys.exit("needs CUDA and triton, or TRITON_INTERPRET=1 on CPU")
+    if args.forward:
+        if not (cuda and args.target):
+            sys.exit("--forward times the target's forward in a CUDA graph: CUDA and --target")
+        rows = time_forward(shapes, [int(x) for x in args.tokens.split(",")], device, dtype, reps)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
     flush = torch.empty(64 << 20 if cuda else 1, dtype=torch.float32, device=device)
 
     def timed(fn: Callable[[], torch.Tensor]) -> float:
