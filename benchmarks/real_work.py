@@ -201,6 +201,7 @@ SETTINGS = {
     "gelu": "GEMMA4_SPEC_FUSED_GELU",
     "qrope": "GEMMA4_SPEC_FUSED_QROPE",
     "segments": "GEMMA4_SPEC_VERIFY_SEGMENTS",
+    "target": "GEMMA4_SPEC_TARGET_LINEAR",  # "ours-V2+target=1": the target's matmuls on ours
 }
 
 

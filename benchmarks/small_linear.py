@@ -23,16 +23,14 @@ as well), and the reference.
 and 8 unless given) and prints the fastest, for tuning ``small_linear_config``.
 
 ``--target`` times the E2B target's matmuls instead (``TARGET_SHAPES``, per forward: the
-verification's rows are ``B (k + 1)``, plain decoding's ``B``), its ``step`` row one forward's:
-whether our kernel would verify faster than the cuBLAS kernels vLLM runs for the target, which
-take ~2.8 ms of a ~4.4 ms step at k=2 B=16 on the H100 (``results/h100``, the thirty-third
-session), about half the bandwidth of the target's ~4.6 GB of matmul weights.
+verification's rows are ``B (k + 1)``, plain decoding's ``B``), its ``step`` row one forward's,
+with the draft's tiles (``small_linear_config``) unless ``--sweep`` tries others.
 ``--forward`` (with ``--target``) times a whole forward's matmuls as the engine runs them: every
 matmul of the forward on a weight of its own (~4.6 GB: none is left in L2 for the next),
-captured back to back in one CUDA graph, for cuBLAS, ours as shipped and ours with the tiles the
-278d557 sweep found fastest at 48-96 rows (``tuned_config``); us a forward and the weight bytes
-read per second. One kernel at a time (the rows above) each matmul pays its start and drain
-alone; in a graph they run back to back.
+captured back to back in one CUDA graph, for cuBLAS, ours with the draft's tiles and with the
+target's (``target_config``: ``target_linear``'s, from the 278d557 sweep); us a forward and the
+weight bytes read per second. One kernel at a time (the rows above) each matmul pays its start
+and drain alone; in a graph they run back to back.
 
     PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 1,3,8,16,24,32,48,64,96
     PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 48 --sweep \
@@ -60,7 +58,7 @@ from centroid_argmax import (  # noqa: E402
     kernel_bench_parser,
 )
 
-from gemma4_spec.ops.centroid_argmax_triton import sm_count, triton_usable  # noqa: E402
+from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
 from gemma4_spec.ops.small_linear import (  # noqa: E402
     gelu_and_mul,
     small_linear,
@@ -69,11 +67,11 @@ from gemma4_spec.ops.small_linear import (  # noqa: E402
     small_linear_reference,
 )
 from gemma4_spec.ops.small_linear_triton import (  # noqa: E402
-    INTERPRET_SMS,
     SmallLinearConfig,
     small_linear_config,
     small_linear_gelu_and_mul_kernel,
     small_linear_kernel,
+    target_config,
 )
 from gemma4_spec.testing.closeness import largest_value_excess, one_rounding_excess  # noqa: E402
 
@@ -139,25 +137,6 @@ def _sweep_configs(
     return configs
 
 
-def tuned_config(rows: int, n: int, k: int, device: torch.device) -> SmallLinearConfig:
-    """The tiles the 278d557 sweep found fastest for the target's shapes at 48-96 rows: one
-    row tile up to 128 rows, 64 columns, 128 of K a step, 4 stages; splits over K as the
-    shipped config makes them, from these tiles (the down projections' few column tiles)."""
-    base = small_linear_config(rows, n, k, device)
-    block_t = min(128, max(16, triton.next_power_of_2(rows)))
-    block_n, block_k = 64, min(128, max(16, triton.next_power_of_2(k)))
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(rows, block_t)
-    steps = triton.cdiv(k, block_k)
-    sms = sm_count(device, INTERPRET_SMS)
-    splits = 1
-    if steps >= 4 and tiles < sms:
-        splits = min(steps // 2, max(1, sms // tiles))
-    per = triton.cdiv(steps, splits)
-    return base._replace(block_t=block_t, block_n=block_n, block_k=block_k,
-                         splits=triton.cdiv(steps, per), steps_per_split=per, num_warps=4,
-                         num_stages=4)  # fmt: skip
-
-
 def time_forward(
     shapes: dict[str, tuple[int, int, int]],
     tokens: list[int],
@@ -175,8 +154,8 @@ def time_forward(
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     rows_out = []
     print(f"forward: {len(weights)} matmuls, {nbytes / 1e9:.2f} GB of weights, one CUDA graph")
-    print(f"{'T':>4s} {'cuBLAS us':>10s} {'ours us':>10s} {'tuned us':>10s} "
-          f"{'cuBLAS TB/s':>11s} {'tuned TB/s':>10s} {'cuBLAS/tuned':>12s}")  # fmt: skip
+    print(f"{'T':>4s} {'cuBLAS us':>10s} {'ours us':>10s} {'target us':>10s} "
+          f"{'cuBLAS TB/s':>11s} {'target TB/s':>10s} {'cuBLAS/target':>12s}")  # fmt: skip
     for t in tokens:
         xs = {
             k: torch.randn(t, k, device=device, dtype=dtype) for k in {w.shape[1] for w in weights}
@@ -185,15 +164,15 @@ def time_forward(
         chains = {
             "cuBLAS": [partial(torch.nn.functional.linear, x, w) for x, w in pairs],
             "ours": [partial(small_linear_kernel, x, w) for x, w in pairs],
-            "tuned": [
-                partial(small_linear_kernel, x, w, tuned_config(t, *w.shape, device))
+            "target": [
+                partial(small_linear_kernel, x, w, target_config(t, *w.shape, device))
                 for x, w in pairs
             ],
         }
         us = {name: _time_cuda_chain(fns, reps) * len(fns) for name, fns in chains.items()}
-        print(f"{t:4d} {us['cuBLAS']:10.1f} {us['ours']:10.1f} {us['tuned']:10.1f} "
-              f"{nbytes / us['cuBLAS'] / 1e6:11.2f} {nbytes / us['tuned'] / 1e6:10.2f} "
-              f"{us['cuBLAS'] / us['tuned']:12.2f}")  # fmt: skip
+        print(f"{t:4d} {us['cuBLAS']:10.1f} {us['ours']:10.1f} {us['target']:10.1f} "
+              f"{nbytes / us['cuBLAS'] / 1e6:11.2f} {nbytes / us['target'] / 1e6:10.2f} "
+              f"{us['cuBLAS'] / us['target']:12.2f}")  # fmt: skip
         rows_out.append({"forward": t, "us": us, "weight_bytes": nbytes})
     return rows_out
 

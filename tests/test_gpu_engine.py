@@ -225,6 +225,8 @@ ATTENTION_VARIANTS = {
     # default since the thirty-second session), its gate/up matmul and activation as two
     # launches and its query norm and rotary embedding as Inductor's.
     "unfused-draft": {"GEMMA4_SPEC_FUSED_GELU": "0", "GEMMA4_SPEC_FUSED_QROPE": "0"},
+    # The target's matmuls on the small-rows kernel up to its row cap (opt-in).
+    "target-linear": {"GEMMA4_SPEC_TARGET_LINEAR": "1"},
 }
 
 
@@ -261,6 +263,8 @@ def test_v2_verification_attention_settings_are_lossless(
     assert ours.flat_verify_rewrites > 0
     if variant.startswith("own-"):  # a process-wide count: the process ran only these engines
         assert ours.own_split_calls > 0
+    if variant == "target-linear":  # plain decoding loads no drafter: its target keeps cuBLAS
+        assert ours.target_rows_layers > 0 and plain.target_rows_layers == 0
 
 
 @on_gpu

@@ -21,6 +21,8 @@ from gemma4_spec.ops.small_linear import (
     FUSED_ACTIVATION,
     FUSED_GELU_ENV,
     SMALL_LINEAR_MAX_ROWS,
+    TARGET_LINEAR_ENV,
+    TARGET_MAX_ROWS,
     fuses_gelu,
     small_linear,
     small_linear_applies,
@@ -28,9 +30,16 @@ from gemma4_spec.ops.small_linear import (
     small_linear_gelu_and_mul_applies,
     small_linear_gelu_and_mul_reference,
     small_linear_reference,
+    target_linear,
+    target_rows_layers,
     use_small_rows_linear,
+    use_target_rows_linear,
 )
-from gemma4_spec.testing.closeness import largest_value_excess, one_rounding_excess
+from gemma4_spec.testing.closeness import (
+    largest_value_excess,
+    one_rounding_excess,
+    reordered_sum_excess,
+)
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and HAS_TRITON),
@@ -86,6 +95,11 @@ def _check_kernel_against_reference(device: str) -> None:
         _assert_close(small_linear(x.view(2, 3, 72), w), want)
         wide = torch.randn(5, 100, device=device).to(dtype)
         _assert_close(small_linear(wide[:, :72], w), small_linear_reference(wide[:, :72], w))
+        # The target's op (64-column tiles; split over K under the interpreter's 4 "SMs" too).
+        for rows, n, k in ((1, 96, 1000), (5, 130, 300), (TARGET_MAX_ROWS, 64, 40)):
+            x, w = _operands(rows, n, k, dtype, device)
+            assert small_linear_applies(x, w, TARGET_MAX_ROWS)
+            _assert_close(target_linear(x, w), small_linear_reference(x, w))
         # Many splits of one step each, launched back to back over the same counters.
         forced = SmallLinearConfig(16, 16, 16, 7, 1, num_warps=4, num_stages=2)
         for seed in range(3):
@@ -128,6 +142,26 @@ def _check_gated_against_reference(device: str) -> None:
         _assert_gated_close(
             small_linear_gelu_and_mul_kernel(x, w), small_linear_gelu_and_mul_reference(x, w)
         )
+
+
+# The E2B target's (N, K) with the most weight: q/k/v of a sliding layer, the wide layers'
+# gate/up (N past 4096) and down (few column tiles over a long K: split).
+TARGET_SHAPES = ((2560, 1536), (24576, 1536), (1536, 12288))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 8, TARGET_MAX_ROWS])
+def test_target_shapes_cuda(rows: int, dtype: torch.dtype) -> None:
+    """``target_linear`` at the target's shapes and verification row counts, within
+    ``reordered_sum_excess`` of the reference; the rule catches a block of K left out."""
+    for n, k in TARGET_SHAPES:
+        x, w = _operands(rows, n, k, dtype, "cuda")
+        out, ref = target_linear(x, w), small_linear_reference(x, w)
+        assert reordered_sum_excess(out, ref, x, w) <= 0
+        short = x.clone()
+        short[:, -128:] = 0  # the product without its last 128 of K
+        assert reordered_sum_excess(small_linear_reference(short, w), ref, x, w) > 0
 
 
 @needs_cuda
@@ -225,6 +259,8 @@ def test_falls_back_to_linear() -> None:
         few, _ = _operands(3, 24, 40, torch.float32, "cpu")
         assert torch.equal(small_linear(few, w), torch.nn.functional.linear(few, w))
     assert not small_linear_applies(x[:3], w.to(torch.float64)), "dtypes differ"
+    x, w = _operands(TARGET_MAX_ROWS + 1, 24, 40, torch.float32, "cpu")
+    assert torch.equal(target_linear(x, w), torch.nn.functional.linear(x, w))
 
 
 def test_custom_op_compiles_with_dynamic_rows() -> None:
@@ -236,7 +272,8 @@ def test_custom_op_compiles_with_dynamic_rows() -> None:
 
     def project(x: torch.Tensor) -> torch.Tensor:
         hidden = torch.ops.gemma4_spec.small_linear_gelu_and_mul(x, gate_up)
-        return torch.relu(torch.ops.gemma4_spec.small_linear(x, w)) + hidden
+        target = torch.ops.gemma4_spec.target_linear(x, w)
+        return torch.relu(torch.ops.gemma4_spec.small_linear(x, w)) + hidden + target
 
     compiled = torch.compile(project, dynamic=True, backend="aot_eager", fullgraph=True)
     x = torch.randn(3, 40)
@@ -271,6 +308,37 @@ def test_linear_method_routes_unquantized_layers(set_env) -> None:  # type: igno
     assert use_small_rows_linear(model, "cuda") == 1
     assert type(model[1].quant_method) is Other
     layer = model[0]
+    x, bias = torch.randn(3, 12), torch.randn(8)
+    want = torch.nn.functional.linear(x, layer.weight, bias)
+    torch.testing.assert_close(layer.quant_method.apply(layer, x, bias), want)
+
+
+def test_target_rows_are_opt_in(set_env) -> None:  # type: ignore[no-untyped-def]
+    """``use_target_rows_linear`` swaps the target's unquantized layers to ``target_linear``
+    only with ``GEMMA4_SPEC_TARGET_LINEAR=1`` (and the kernel's own switch on)."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant_method = UnquantizedLinearMethod()
+            self.weight = torch.nn.Parameter(torch.randn(8, 12), requires_grad=False)
+
+    target = torch.nn.Sequential(Layer(), Layer())
+    set_env(TARGET_LINEAR_ENV, None)
+    assert use_target_rows_linear(target, "cuda") == 0
+    assert target_rows_layers(target) == 0
+    set_env("GEMMA4_SPEC_SMALL_LINEAR", "0")
+    set_env(TARGET_LINEAR_ENV, "1")
+    assert use_target_rows_linear(target, "cuda") == 0
+    set_env("GEMMA4_SPEC_SMALL_LINEAR", None)
+    assert use_target_rows_linear(target, "cuda") == 2
+    assert target_rows_layers(target) == 2
+    draft = torch.nn.Sequential(Layer())
+    assert use_small_rows_linear(draft, "cuda") == 1
+    assert target_rows_layers(draft) == 0  # the draft's method is not the target's
+    layer = target[0]
     x, bias = torch.randn(3, 12), torch.randn(8)
     want = torch.nn.functional.linear(x, layer.weight, bias)
     torch.testing.assert_close(layer.quant_method.apply(layer, x, bias), want)

@@ -26,6 +26,15 @@ without it).
 layout and all-reduces are unchanged: only the local matmul changes). The draft's tokens may
 change where two draft logits are within rounding of each other; the target verifies every
 draft, so the output does not.
+
+``target_linear`` (the custom op ``gemma4_spec::target_linear``) is the same kernel for the
+target's matmuls at up to ``TARGET_MAX_ROWS`` rows, with tiles for its wide weights
+(``target_config``); ``use_target_rows_linear`` gives it to the target's unquantized layers
+when ``GEMMA4_SPEC_TARGET_LINEAR=1`` (opt-in). In one CUDA graph of an E2B forward's 212
+matmuls on the H100 it took 2166-2235 us at 1-16 rows against cuBLAS's 2302-2351, tied at
+24-32 and lost past (benchmarks/small_linear.py --target --forward). The target's sums decide
+the output: a value may differ from cuBLAS's by the order of the float32 sums, as cuBLAS's own
+kernels for different row counts do; greedy float32 output stays plain decoding's.
 """
 
 from __future__ import annotations
@@ -35,8 +44,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gemma4_spec.log import get_logger
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable
-from gemma4_spec.switches import turned_off
+from gemma4_spec.switches import turned_off, turned_on
+
+logger = get_logger(__name__)
 
 SMALL_LINEAR_ENV = "GEMMA4_SPEC_SMALL_LINEAR"
 # "0" turns off the draft MLP's gate/up matmul and activation in one launch
@@ -48,6 +60,10 @@ FUSED_ACTIVATION = "gelu_pytorch_tanh"
 # draft step's matmuls up to 32 rows and slower at 64 (benchmarks/small_linear.py, figures in
 # benchmarks/results/h200).
 SMALL_LINEAR_MAX_ROWS = 32
+# Opt-in: the target's unquantized layers through the kernel up to TARGET_MAX_ROWS rows (small
+# verification batches and plain decoding's; larger ones and prefill stay on cuBLAS).
+TARGET_LINEAR_ENV = "GEMMA4_SPEC_TARGET_LINEAR"
+TARGET_MAX_ROWS = 16
 SMALL_LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -57,12 +73,15 @@ def small_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     return (x.float() @ weight.float().t()).to(x.dtype)
 
 
-def small_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``small_linear`` runs the kernel for these operands (else F.linear)."""
+def small_linear_applies(
+    x: torch.Tensor, weight: torch.Tensor, max_rows: int = SMALL_LINEAR_MAX_ROWS
+) -> bool:
+    """Whether ``small_linear`` (``target_linear`` with ``TARGET_MAX_ROWS``) runs the kernel
+    for these operands (else F.linear)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     return (
         triton_usable(x.device)
-        and 0 < rows <= SMALL_LINEAR_MAX_ROWS
+        and 0 < rows <= max_rows
         and x.dtype in SMALL_LINEAR_DTYPES
         and weight.dtype == x.dtype
         and weight.dim() == 2
@@ -80,6 +99,26 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from gemma4_spec.ops.small_linear_triton import small_linear_kernel
 
     return _on_rows(small_linear_kernel, x, weight)
+
+
+@torch.library.custom_op("gemma4_spec::target_linear", mutates_args=())
+def target_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., K] @ weight [N, K]^T`` in ``x``'s dtype for the target's layers: the kernel
+    with the target's tiles up to ``TARGET_MAX_ROWS`` rows, ``F.linear`` otherwise."""
+    if not small_linear_applies(x, weight, TARGET_MAX_ROWS):
+        return nn.functional.linear(x, weight)
+    from gemma4_spec.ops.small_linear_triton import small_linear_kernel, target_config
+
+    def kernel(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        config = target_config(rows.shape[0], w.shape[0], w.shape[1], rows.device)
+        return small_linear_kernel(rows, w, config)
+
+    return _on_rows(kernel, x, weight)
+
+
+@target_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _on_rows(
@@ -187,6 +226,28 @@ def small_rows_linear_method() -> object:
 _METHOD_CLASS: type | None = None
 
 
+def target_rows_linear_method() -> object:
+    """A ``TargetRowsLinearMethod``: the small-rows method through ``target_linear``."""
+    global _TARGET_METHOD_CLASS
+    if _TARGET_METHOD_CLASS is None:
+        small_rows_linear_method()  # builds the base class
+
+        class TargetRowsLinearMethod(_METHOD_CLASS):  # type: ignore[misc, valid-type]
+            """vLLM's unquantized linear method, its matmul through ``target_linear``."""
+
+            def apply(
+                self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+            ) -> torch.Tensor:
+                out = torch.ops.gemma4_spec.target_linear(x, layer.weight)
+                return out if bias is None else out + bias
+
+        _TARGET_METHOD_CLASS = TargetRowsLinearMethod
+    return _TARGET_METHOD_CLASS()
+
+
+_TARGET_METHOD_CLASS: type | None = None
+
+
 def fuses_gelu(layer: nn.Module, activation: str) -> bool:
     """Whether a merged gate/up ``layer`` followed by ``activation`` runs as
     ``small_linear_gelu_and_mul``: the layer has the small-rows method (unquantized, on
@@ -203,6 +264,38 @@ def fuses_gelu(layer: nn.Module, activation: str) -> bool:
 def use_small_rows_linear(model: nn.Module, device: torch.device | str | None) -> int:
     """Gives every unquantized linear layer of ``model`` the small-rows method, on CUDA and
     unless ``GEMMA4_SPEC_SMALL_LINEAR=0``; returns how many layers got it."""
+    return _swap_unquantized(model, device, small_rows_linear_method)
+
+
+def use_target_rows_linear(target: nn.Module, device: torch.device | str | None) -> int:
+    """With ``GEMMA4_SPEC_TARGET_LINEAR=1``, every unquantized linear layer of the target
+    through ``target_linear`` (module docstring), on CUDA and unless
+    ``GEMMA4_SPEC_SMALL_LINEAR=0``; returns how many layers got it (0 when off)."""
+    if not turned_on(TARGET_LINEAR_ENV):
+        return 0
+    changed = _swap_unquantized(target, device, target_rows_linear_method)
+    if changed:
+        logger.info(
+            "gemma4_spec: %d target linear layers on the small-rows kernel up to %d rows (%s=1).",
+            changed, TARGET_MAX_ROWS, TARGET_LINEAR_ENV,
+        )  # fmt: skip
+    return changed
+
+
+def target_rows_layers(model: nn.Module | None) -> int:
+    """How many layers of ``model`` run through ``target_linear``."""
+    if model is None or _TARGET_METHOD_CLASS is None:
+        return 0
+    return sum(
+        isinstance(getattr(m, "quant_method", None), _TARGET_METHOD_CLASS) for m in model.modules()
+    )
+
+
+def _swap_unquantized(
+    model: nn.Module, device: torch.device | str | None, method: Callable[[], object]
+) -> int:
+    """``method()`` for every layer of ``model`` whose method is exactly vLLM's unquantized one,
+    on CUDA with triton and unless ``GEMMA4_SPEC_SMALL_LINEAR=0``; how many it swapped."""
     if device is None or turned_off(SMALL_LINEAR_ENV):
         return 0
     device = torch.device(device)
@@ -211,8 +304,7 @@ def use_small_rows_linear(model: nn.Module, device: torch.device | str | None) -
     base = _unquantized_method()
     changed = 0
     for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if type(method) is base:
-            module.quant_method = small_rows_linear_method()
+        if type(getattr(module, "quant_method", None)) is base:
+            module.quant_method = method()
             changed += 1
     return changed

@@ -15,7 +15,8 @@ and a reduction kernel.
 Sizes (``small_linear_config``): ``BLOCK_T`` the next power of two >= T from 16 (the smallest
 ``tl.dot`` side) to ``MAX_BLOCK_T``; 16 columns a tile (32 past 4096 columns); 128 of K a step;
 splits only for K of 4 steps or more, as many as bring the programs to about one per SM, at
-least 2 steps each.
+least 2 steps each. ``target_config``: the same with 64 columns a tile and 4 stages, for the
+target's wide weights.
 
 ``GATED`` (``small_linear_gelu_and_mul_kernel``, one split only): ``weight`` stacks the gate's
 and the up projection's rows (``[2N, K]``, as vLLM's merged gate/up layer holds them); a program
@@ -66,9 +67,25 @@ def small_linear_config(
 ) -> SmallLinearConfig:
     """The sizes ``small_linear_kernel`` launches with for ``[rows, depth] @ [columns, depth]^T``
     (module docstring)."""
+    block_n = 16 if columns <= 4096 else 32
+    return _with_splits(rows, columns, depth, device, block_n, num_stages=3)
+
+
+def target_config(rows: int, columns: int, depth: int, device: torch.device) -> SmallLinearConfig:
+    """The sizes for the target's matmuls (``target_linear``): weights of 0.8-75 MB read once
+    at a few rows, where the draft's narrow tiles re-read the rows more than the weight: 64
+    columns a tile, 4 stages (the fastest in the H100 sweep of the target's shapes, 278d557);
+    splits over K by the same rule (the down projections' few column tiles)."""
+    return _with_splits(rows, columns, depth, device, block_n=64, num_stages=4)
+
+
+def _with_splits(
+    rows: int, columns: int, depth: int, device: torch.device, block_n: int, num_stages: int
+) -> SmallLinearConfig:
+    """One row tile up to ``MAX_BLOCK_T`` rows, ``BLOCK_K`` of K a step, and splits over K
+    where the tiles leave SMs idle (module docstring)."""
     block_t = min(MAX_BLOCK_T, max(16, triton.next_power_of_2(rows)))
     block_k = min(BLOCK_K, max(16, triton.next_power_of_2(depth)))
-    block_n = 16 if columns <= 4096 else 32
     sms = sm_count(device, INTERPRET_SMS)
     tiles = triton.cdiv(columns, block_n) * triton.cdiv(rows, block_t)
     steps = triton.cdiv(depth, block_k)
@@ -78,7 +95,7 @@ def small_linear_config(
     per_split = triton.cdiv(steps, splits)
     splits = triton.cdiv(steps, per_split)  # no split without steps
     return SmallLinearConfig(
-        block_t, block_n, block_k, splits, per_split, num_warps=4, num_stages=3
+        block_t, block_n, block_k, splits, per_split, num_warps=4, num_stages=num_stages
     )
 
 

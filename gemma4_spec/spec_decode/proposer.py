@@ -48,6 +48,7 @@ from vllm.v1.worker.utils import AttentionGroup
 
 from gemma4_spec.compat import build_drafting_metadata
 from gemma4_spec.log import get_logger
+from gemma4_spec.ops.small_linear import use_target_rows_linear
 from gemma4_spec.patch.patch_rejection_sampler import (
     GREEDY_VERIFY_ATTR,
     GreedyVerifyStats,
@@ -425,6 +426,7 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         super().load_model(target_model)
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         share_kv_scales(self._draft_attn_layer_names, layers)
+        use_target_rows_linear(target_model, self.device)  # opt-in
         register_runner(self._runner)  # async scheduling's count correction, graphed
         # The runner's rejection sampler exists by now: let it verify greedy batches itself.
         sampler = getattr(self._runner, "rejection_sampler", None)

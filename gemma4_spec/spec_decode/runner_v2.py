@@ -36,6 +36,7 @@ from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.spec_decode.gemma4.speculator import Gemma4Speculator
 
 from gemma4_spec.ops.draft_inputs import DraftStepBuffers, RunnerV2Step, stage_runner_v2_inputs
+from gemma4_spec.ops.small_linear import use_target_rows_linear
 from gemma4_spec.patch.patch_split_attention import draft_layers, mark_draft, route_draft
 
 
@@ -62,6 +63,10 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
         # or eager run.
         self._own_attention: str | None = None
         self._own_attention_set_up = False
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        super().load_model(target_model)
+        use_target_rows_linear(target_model, self.device)  # opt-in
 
     def _draft_attention(self) -> None:
         if not self._own_attention_set_up:

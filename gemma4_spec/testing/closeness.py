@@ -30,6 +30,21 @@ def one_rounding_excess(out: torch.Tensor, ref: torch.Tensor) -> float:
     return (diff - allowed).max().item()
 
 
+def reordered_sum_excess(
+    out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
+) -> float:
+    """A plain product over a long K (``target_linear``, K up to 12288): within one rounding of
+    the value plus what reordering its K float32 products may move it, taken as 4 sqrt(K) float32
+    roundings of the sum of their magnitudes (a sum of K roundings of random sign grows as
+    sqrt(K)). Near zero, where the products cancel, one rounding of the value is not enough;
+    a lost or doubled block of K (a kernel's error) is still many times the allowance."""
+    k = x.shape[-1]
+    magnitude = x.float().abs() @ weight.float().abs().t()
+    allowed = torch.finfo(out.dtype).eps * ref.float().abs()
+    allowed = allowed + 4 * k**0.5 * torch.finfo(torch.float32).eps * magnitude
+    return ((out.float() - ref.float()).abs() - allowed).max().item()
+
+
 def largest_value_excess(out: torch.Tensor, ref: torch.Tensor) -> float:
     """A product then an activation (the gated ``small_linear_gelu_and_mul``): within two
     rounding steps of the value and of the largest value, since the activation carries the

@@ -24,6 +24,7 @@ from typing import Any
 
 from gemma4_spec.metrics import Acceptance, spec_metrics
 from gemma4_spec.ops.graphed_launch import captures_in_process
+from gemma4_spec.ops.small_linear import target_rows_layers
 from gemma4_spec.patch.patch_gpu_model_runner import RUNNER_MODULE
 from gemma4_spec.patch.patch_input_processor import logitsprocs_cache
 from gemma4_spec.patch.patch_rejection_sampler import GREEDY_VERIFY_ATTR
@@ -160,6 +161,8 @@ class RunResult:
     # Attention calls of those batches run by our split kernel (patch/patch_split_attention.py,
     # opt-in), at capture or eagerly.
     own_split_calls: int = 0
+    # Target linear layers through target_linear (ops/small_linear.py, opt-in).
+    target_rows_layers: int = 0
     # Verification steps whose index arrays our builder made (spec_decode/verify_metadata.py),
     # and greedy batches verified without vLLM's rejection sampler (patch_rejection_sampler.py).
     verify_metadata_builds: int = 0
@@ -391,6 +394,7 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "v2_loop_eager": getattr(drafter, "loop_eager", 0),
         "flat_verify_rewrites": sum(rewrites_of(builder) for builder in builders),
         "own_split_calls": own_split_calls(),
+        "target_rows_layers": target_rows_layers(getattr(runner, "model", None)),
         "verify_metadata_builds": 0 if verify_metadata is None else verify_metadata.builds,
         "greedy_verify_batches": 0 if greedy is None else greedy.batches,
         "greedy_verify_uncapped": 0 if greedy is None else greedy.uncapped,
