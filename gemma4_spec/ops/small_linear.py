@@ -60,8 +60,8 @@ FUSED_ACTIVATION = "gelu_pytorch_tanh"
 # draft step's matmuls up to 32 rows and slower at 64 (benchmarks/small_linear.py, figures in
 # benchmarks/results/h200).
 SMALL_LINEAR_MAX_ROWS = 32
-# Opt-in: the target's unquantized layers through the kernel up to TARGET_MAX_ROWS rows (small
-# verification batches and plain decoding's; larger ones and prefill stay on cuBLAS).
+# Opt-in: the target's unquantized layers through the kernel up to TARGET_MAX_ROWS rows
+# (verification batches of B (k + 1) <= 16 tokens; larger ones and prefill stay on cuBLAS).
 TARGET_LINEAR_ENV = "GEMMA4_SPEC_TARGET_LINEAR"
 TARGET_MAX_ROWS = 16
 SMALL_LINEAR_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
