@@ -205,7 +205,10 @@ def small_rows_linear_method() -> object:
         base = _unquantized_method()
 
         class SmallRowsLinearMethod(base):  # type: ignore[misc, valid-type]
-            """vLLM's unquantized linear method, its matmul through ``small_linear``."""
+            """vLLM's unquantized linear method, its matmul through ``small_linear`` (the
+            ``gemma4_spec`` op named by ``op``)."""
+
+            op = "small_linear"
 
             def process_weights_after_loading(self, layer: nn.Module) -> None:
                 super().process_weights_after_loading(layer)
@@ -216,7 +219,7 @@ def small_rows_linear_method() -> object:
             def apply(
                 self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
             ) -> torch.Tensor:
-                out = torch.ops.gemma4_spec.small_linear(x, layer.weight)
+                out = getattr(torch.ops.gemma4_spec, self.op)(x, layer.weight)
                 return out if bias is None else out + bias
 
         _METHOD_CLASS = SmallRowsLinearMethod
@@ -235,11 +238,7 @@ def target_rows_linear_method() -> object:
         class TargetRowsLinearMethod(_METHOD_CLASS):  # type: ignore[misc, valid-type]
             """vLLM's unquantized linear method, its matmul through ``target_linear``."""
 
-            def apply(
-                self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-            ) -> torch.Tensor:
-                out = torch.ops.gemma4_spec.target_linear(x, layer.weight)
-                return out if bias is None else out + bias
+            op = "target_linear"
 
         _TARGET_METHOD_CLASS = TargetRowsLinearMethod
     return _TARGET_METHOD_CLASS()
@@ -274,6 +273,12 @@ def use_target_rows_linear(target: nn.Module, device: torch.device | str | None)
     if not turned_on(TARGET_LINEAR_ENV):
         return 0
     changed = _swap_unquantized(target, device, target_rows_linear_method)
+    if changed and torch.cuda.is_available():
+        # The target's weights loaded before the swap: the split launches' counters now,
+        # outside any graph capture.
+        from gemma4_spec.ops.small_linear_triton import prepare_small_linear
+
+        prepare_small_linear(torch.device(device))
     if changed:
         logger.info(
             "gemma4_spec: %d target linear layers on the small-rows kernel up to %d rows (%s=1).",
