@@ -40,6 +40,7 @@ and drain alone; in a graph they run back to back.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from collections.abc import Callable
@@ -119,21 +120,23 @@ def _sweep_configs(
     base = small_linear_config(rows, n, k, device)
     if wide:  # one row tile past 64 rows too (each row tile reads the whole weight)
         base = base._replace(block_t=min(128, max(16, triton.next_power_of_2(rows))))
+    choices = itertools.product(
+        (64, 128, 256) if wide else (base.block_k,),  # K a step
+        (32, 64, 128) if wide else (16, 32, 64),  # columns a tile
+        sorted({1, base.splits} if wide else {1, 2, 4, 8, 16, base.splits}),  # splits
+        (4, 8) if wide else (2, 4),  # warps
+        (3, 4) if wide else (base.num_stages,),  # stages
+    )
     configs = []
-    for block_k in (64, 128, 256) if wide else (base.block_k,):
+    for block_k, block_n, splits, warps, stages in choices:
         steps = triton.cdiv(k, block_k)
-        split_choices = {1, base.splits} if wide else {1, 2, 4, 8, 16, base.splits}
-        for block_n in (32, 64, 128) if wide else (16, 32, 64):
-            for splits in sorted(split_choices):
-                if splits > steps:
-                    continue
-                per = triton.cdiv(steps, splits)
-                for warps in (4, 8) if wide else (2, 4):
-                    for stages in (3, 4) if wide else (base.num_stages,):
-                        configs.append(base._replace(
-                            block_n=block_n, block_k=block_k, splits=triton.cdiv(steps, per),
-                            steps_per_split=per, num_warps=warps, num_stages=stages,
-                        ))  # fmt: skip
+        if splits > steps:
+            continue
+        per = triton.cdiv(steps, splits)
+        configs.append(base._replace(
+            block_n=block_n, block_k=block_k, splits=triton.cdiv(steps, per),
+            steps_per_split=per, num_warps=warps, num_stages=stages,
+        ))  # fmt: skip
     return configs
 
 

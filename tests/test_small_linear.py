@@ -284,22 +284,25 @@ def test_custom_op_compiles_with_dynamic_rows() -> None:
             assert torch.equal(compiled(x), project(x))
 
 
+class _Layer(torch.nn.Module):
+    """A linear layer as vLLM holds one: its method and an [8, 12] weight."""
+
+    def __init__(self, method: object) -> None:
+        super().__init__()
+        self.quant_method = method
+        self.weight = torch.nn.Parameter(torch.randn(8, 12), requires_grad=False)
+
+
 def test_linear_method_routes_unquantized_layers(set_env) -> None:  # type: ignore[no-untyped-def]
     """``use_small_rows_linear`` swaps vLLM's unquantized method only (CUDA models, switch on);
     the swapped method's ``apply`` is the matmul plus bias."""
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    class Layer(torch.nn.Module):
-        def __init__(self, method: object) -> None:
-            super().__init__()
-            self.quant_method = method
-            self.weight = torch.nn.Parameter(torch.randn(8, 12), requires_grad=False)
-
     class Other(UnquantizedLinearMethod):  # a subclass: someone else's method, left alone
         pass
 
-    model = torch.nn.Sequential(Layer(UnquantizedLinearMethod()), Layer(Other()))
+    model = torch.nn.Sequential(_Layer(UnquantizedLinearMethod()), _Layer(Other()))
     assert use_small_rows_linear(model, "cpu") == 0
     assert use_small_rows_linear(model, None) == 0
     set_env("GEMMA4_SPEC_SMALL_LINEAR", "0")
@@ -319,13 +322,9 @@ def test_target_rows_are_opt_in(set_env) -> None:  # type: ignore[no-untyped-def
     pytest.importorskip("vllm")
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 
-    class Layer(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.quant_method = UnquantizedLinearMethod()
-            self.weight = torch.nn.Parameter(torch.randn(8, 12), requires_grad=False)
-
-    target = torch.nn.Sequential(Layer(), Layer())
+    target = torch.nn.Sequential(
+        _Layer(UnquantizedLinearMethod()), _Layer(UnquantizedLinearMethod())
+    )
     set_env(TARGET_LINEAR_ENV, None)
     assert use_target_rows_linear(target, "cuda") == 0
     assert target_rows_layers(target) == 0
@@ -335,7 +334,7 @@ def test_target_rows_are_opt_in(set_env) -> None:  # type: ignore[no-untyped-def
     set_env("GEMMA4_SPEC_SMALL_LINEAR", None)
     assert use_target_rows_linear(target, "cuda") == 2
     assert target_rows_layers(target) == 2
-    draft = torch.nn.Sequential(Layer())
+    draft = torch.nn.Sequential(_Layer(UnquantizedLinearMethod()))
     assert use_small_rows_linear(draft, "cuda") == 1
     assert target_rows_layers(draft) == 0  # the draft's method is not the target's
     layer = target[0]

@@ -263,7 +263,7 @@ def fuses_gelu(layer: nn.Module, activation: str) -> bool:
 def use_small_rows_linear(model: nn.Module, device: torch.device | str | None) -> int:
     """Gives every unquantized linear layer of ``model`` the small-rows method, on CUDA and
     unless ``GEMMA4_SPEC_SMALL_LINEAR=0``; returns how many layers got it."""
-    return _swap_unquantized(model, device, small_rows_linear_method)
+    return len(_swap_unquantized(model, device, small_rows_linear_method))
 
 
 def use_target_rows_linear(target: nn.Module, device: torch.device | str | None) -> int:
@@ -272,19 +272,19 @@ def use_target_rows_linear(target: nn.Module, device: torch.device | str | None)
     ``GEMMA4_SPEC_SMALL_LINEAR=0``; returns how many layers got it (0 when off)."""
     if not turned_on(TARGET_LINEAR_ENV):
         return 0
-    changed = _swap_unquantized(target, device, target_rows_linear_method)
-    if changed and torch.cuda.is_available():
-        # The target's weights loaded before the swap: the split launches' counters now,
-        # outside any graph capture.
+    swapped = _swap_unquantized(target, device, target_rows_linear_method)
+    if swapped:
+        # The target's weights loaded before the swap, so the method's own hook never ran:
+        # the split launches' counters now, on the weights' devices, outside any capture.
         from gemma4_spec.ops.small_linear_triton import prepare_small_linear
 
-        prepare_small_linear(torch.device(device))
-    if changed:
+        for weight_device in {layer.weight.device for layer in swapped}:
+            prepare_small_linear(weight_device)
         logger.info(
             "gemma4_spec: %d target linear layers on the small-rows kernel up to %d rows (%s=1).",
-            changed, TARGET_MAX_ROWS, TARGET_LINEAR_ENV,
+            len(swapped), TARGET_MAX_ROWS, TARGET_LINEAR_ENV,
         )  # fmt: skip
-    return changed
+    return len(swapped)
 
 
 def target_rows_layers(model: nn.Module | None) -> int:
@@ -298,18 +298,16 @@ def target_rows_layers(model: nn.Module | None) -> int:
 
 def _swap_unquantized(
     model: nn.Module, device: torch.device | str | None, method: Callable[[], object]
-) -> int:
+) -> list[nn.Module]:
     """``method()`` for every layer of ``model`` whose method is exactly vLLM's unquantized one,
-    on CUDA with triton and unless ``GEMMA4_SPEC_SMALL_LINEAR=0``; how many it swapped."""
+    on CUDA with triton and unless ``GEMMA4_SPEC_SMALL_LINEAR=0``; the layers it swapped."""
     if device is None or turned_off(SMALL_LINEAR_ENV):
-        return 0
+        return []
     device = torch.device(device)
     if device.type != "cuda" or not triton_usable(device):
-        return 0
+        return []
     base = _unquantized_method()
-    changed = 0
-    for module in model.modules():
-        if type(getattr(module, "quant_method", None)) is base:
-            module.quant_method = method()
-            changed += 1
-    return changed
+    swapped = [m for m in model.modules() if type(getattr(m, "quant_method", None)) is base]
+    for module in swapped:
+        module.quant_method = method()
+    return swapped
