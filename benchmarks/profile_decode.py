@@ -30,7 +30,12 @@ import real_work  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=real_work.PAIRS, default="e2b")
-    parser.add_argument("--variant", default="ours-V1", choices=real_work.ENGINE_VARIANTS)
+    parser.add_argument(
+        "--variant",
+        default="ours-V1",
+        type=lambda name: name if name == "plain" or real_work.variant(name) else name,
+        help=f"plain, one of {list(real_work.VARIANTS)} or ours-V2+<setting>=<value>",
+    )
     parser.add_argument("--workdir", default="/tmp/real-work")
     parser.add_argument("--k", type=int, default=2)
     parser.add_argument("--batch", default="1", help="comma-separated batch sizes")
