@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable
+from gemma4_spec.ops.custom_ops import custom_op
 from gemma4_spec.switches import turned_off
 
 FUSED_QROPE_ENV = "GEMMA4_SPEC_FUSED_QROPE"
@@ -81,7 +82,19 @@ def q_norm_rope_applies(
     )
 
 
-@torch.library.custom_op("gemma4_spec::q_norm_rope", mutates_args=())
+def _q_like(
+    q: torch.Tensor,
+    weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    positions: torch.Tensor,
+    eps: float,
+    head_dim: int,
+) -> torch.Tensor:
+    """What ``q_norm_rope`` returns, for torch.compile's tracing."""
+    return torch.empty_like(q)
+
+
+@custom_op("q_norm_rope", fake=_q_like)
 def q_norm_rope(
     q: torch.Tensor,
     weight: torch.Tensor,
@@ -97,18 +110,6 @@ def q_norm_rope(
     from gemma4_spec.ops.q_norm_rope_triton import q_norm_rope_kernel
 
     return q_norm_rope_kernel(q, weight, cos_sin_cache, positions, eps, head_dim)
-
-
-@q_norm_rope.register_fake
-def _(
-    q: torch.Tensor,
-    weight: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    positions: torch.Tensor,
-    eps: float,
-    head_dim: int,
-) -> torch.Tensor:
-    return torch.empty_like(q)
 
 
 def fuses_q_rope(rotary_emb: nn.Module, device: torch.device | str | None) -> bool:

@@ -46,6 +46,7 @@ from torch import nn
 
 from gemma4_spec.log import get_logger
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable
+from gemma4_spec.ops.custom_ops import custom_op
 from gemma4_spec.switches import turned_off, turned_on
 
 logger = get_logger(__name__)
@@ -90,7 +91,12 @@ def small_linear_applies(
     )
 
 
-@torch.library.custom_op("gemma4_spec::small_linear", mutates_args=())
+def _linear_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What ``small_linear`` and ``target_linear`` return, for torch.compile's tracing."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@custom_op("small_linear", fake=_linear_like)
 def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]^T`` in ``x``'s dtype: the Triton kernel for a few rows,
     ``F.linear`` otherwise (module docstring)."""
@@ -101,7 +107,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _on_rows(small_linear_kernel, x, weight)
 
 
-@torch.library.custom_op("gemma4_spec::target_linear", mutates_args=())
+@custom_op("target_linear", fake=_linear_like)
 def target_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ weight [N, K]^T`` in ``x``'s dtype for the target's layers: the kernel
     with the target's tiles up to ``TARGET_MAX_ROWS`` rows, ``F.linear`` otherwise."""
@@ -116,11 +122,6 @@ def target_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _on_rows(kernel, x, weight)
 
 
-@target_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
 def _on_rows(
     kernel: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     x: torch.Tensor,
@@ -133,11 +134,6 @@ def _on_rows(
         rows = rows.contiguous()
     out = kernel(rows, weight)
     return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-@small_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def small_linear_gelu_and_mul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -176,7 +172,12 @@ def small_linear_gelu_and_mul_applies(x: torch.Tensor, weight: torch.Tensor) -> 
     return gated_fits(rows, weight.shape[0] // 2, x.shape[-1], x.device)
 
 
-@torch.library.custom_op("gemma4_spec::small_linear_gelu_and_mul", mutates_args=())
+def _gelu_and_mul_like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """What ``small_linear_gelu_and_mul`` returns, for torch.compile's tracing."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
+
+
+@custom_op("small_linear_gelu_and_mul", fake=_gelu_and_mul_like)
 def small_linear_gelu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``gelu_tanh(x @ gate^T) * (x @ up^T)`` for ``weight = [gate; up]`` in ``x``'s dtype: one
     Triton launch for a few rows, else a matmul and an activation kernel (module docstring)."""
@@ -185,11 +186,6 @@ def small_linear_gelu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Te
     from gemma4_spec.ops.small_linear_triton import small_linear_gelu_and_mul_kernel
 
     return _on_rows(small_linear_gelu_and_mul_kernel, x, weight)
-
-
-@small_linear_gelu_and_mul.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2))
 
 
 def _unquantized_method() -> type:
