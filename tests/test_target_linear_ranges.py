@@ -1,0 +1,103 @@
+"""The compiled graphs past TARGET_MAX_ROWS tokens put ``mm`` back where ``target_linear`` was
+(``ops/target_linear_ranges.py``): the rewrite keeps the product, touches only the op, and is
+installed as vLLM's post-grad pass with a compile range ending at TARGET_MAX_ROWS."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from gemma4_spec.ops.small_linear import TARGET_MAX_ROWS
+from gemma4_spec.ops.target_linear_ranges import (
+    TARGET_LINEAR,
+    past_target_rows,
+    split_target_ranges,
+    to_matmul,
+)
+
+
+def _targets(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.target is TARGET_LINEAR]
+
+
+def _traced(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> torch.fx.GraphModule:
+    def forward(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(torch.ops.gemma4_spec.target_linear(x, w))
+        return torch.ops.gemma4_spec.target_linear(hidden, w2) + x
+
+    return make_fx(forward, tracing_mode="fake")(x, w, w2)
+
+
+def test_to_matmul_replaces_every_2d_target_linear_with_the_same_product() -> None:
+    torch.manual_seed(0)
+    x, w, w2 = torch.randn(40, 24), torch.randn(56, 24), torch.randn(24, 56)
+    module = _traced(x, w, w2)
+    assert len(_targets(module.graph)) == 2
+    expected = module(x, w, w2)
+
+    assert to_matmul(module.graph) == 2
+    module.recompile()
+    assert _targets(module.graph) == []
+    products = [n for n in module.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert [tuple(n.meta["val"].shape) for n in products] == [(40, 56), (40, 24)]
+    assert torch.equal(module(x, w, w2), expected)
+    reference = torch.relu(x @ w.t()) @ w2.t() + x
+    torch.testing.assert_close(module(x, w, w2), reference)
+
+
+def test_to_matmul_leaves_other_ranks_and_other_ops() -> None:
+    def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.gemma4_spec.target_linear(x, w) + torch.nn.functional.linear(x, w)
+
+    x, w = torch.randn(2, 5, 8), torch.randn(4, 8)
+    module = make_fx(forward, tracing_mode="fake")(x, w)
+    before = [n.target for n in module.graph.nodes]
+    assert to_matmul(module.graph) == 0
+    assert [n.target for n in module.graph.nodes] == before
+
+
+@pytest.mark.parametrize(("start", "past"), [(1, False), (TARGET_MAX_ROWS, False), (17, True)])
+def test_only_ranges_wholly_past_the_cap_are_rewritten(start: int, past: bool) -> None:
+    assert TARGET_MAX_ROWS == 16
+    assert past_target_rows(start) is past
+
+
+def test_split_target_ranges_installs_the_endpoint_and_the_pass() -> None:
+    pytest.importorskip("vllm")
+    from vllm.config import CompilationConfig
+    from vllm.platforms import current_platform
+
+    config = CompilationConfig(compile_ranges_endpoints=[2048])
+    assert split_target_ranges(config)
+    assert config.compile_ranges_endpoints == [TARGET_MAX_ROWS, 2048]
+    ranges = config.get_compile_ranges()
+    assert [(r.start, r.end) for r in ranges] == [(1, TARGET_MAX_ROWS), (17, 2048)]
+    installed = config.inductor_compile_config[current_platform.pass_key]
+    assert [installed.is_applicable_for_range(r) for r in ranges] == [False, True]
+    assert isinstance(installed.uuid(), str)  # what vLLM's pass manager hashes for its cache
+
+    x, w, w2 = torch.randn(20, 8), torch.randn(12, 8), torch.randn(8, 12)
+    module = _traced(x, w, w2)
+    installed(module.graph)
+    assert _targets(module.graph) == []
+
+
+def test_split_target_ranges_stands_aside() -> None:
+    pytest.importorskip("vllm")
+    from vllm.config import CompilationConfig
+    from vllm.platforms import current_platform
+
+    uncompiled = CompilationConfig(compile_ranges_endpoints=None)
+    assert not split_target_ranges(uncompiled)
+    assert uncompiled.compile_ranges_endpoints is None
+    small = CompilationConfig(compile_ranges_endpoints=[TARGET_MAX_ROWS])
+    assert not split_target_ranges(small)
+    assert current_platform.pass_key not in small.inductor_compile_config
+
+    theirs = CompilationConfig(compile_ranges_endpoints=[2048])
+    marker = object()
+    theirs.inductor_compile_config[current_platform.pass_key] = marker
+    assert not split_target_ranges(theirs)
+    assert theirs.compile_ranges_endpoints == [2048]
+    assert theirs.inductor_compile_config[current_platform.pass_key] is marker
