@@ -27,13 +27,20 @@ import cprofile_rows  # noqa: E402
 import real_work  # noqa: E402
 
 
+def _variant_name(name: str) -> str:
+    """``name`` if real_work can start it (``plain`` or a ``real_work.variant``), else exits."""
+    if name != "plain":
+        real_work.variant(name)  # exits naming the variants it knows
+    return name
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=real_work.PAIRS, default="e2b")
     parser.add_argument(
         "--variant",
         default="ours-V1",
-        type=lambda name: name if name == "plain" or real_work.variant(name) else name,
+        type=_variant_name,
         help=f"plain, one of {list(real_work.VARIANTS)} or ours-V2+<setting>=<value>",
     )
     parser.add_argument("--workdir", default="/tmp/real-work")

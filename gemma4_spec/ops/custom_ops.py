@@ -5,11 +5,12 @@ path and the fallback (a row count, a dtype) is made when the op runs, not when 
 traced. Inside a CUDA graph that is once, at capture; outside one (prefill batches larger than
 the captured sizes, eager mode) it is every call, from the compiled graph's Python code.
 
-``torch.library.custom_op`` wraps each call in several Python layers (about 12 us a call on
-these machines' CPUs, against 2 us for ``F.linear``); with one op per matmul of the target's
-forward (212 on E2B) that is milliseconds of host time per uncaptured step. These ops are
-defined on a ``torch.library.Library`` fragment instead, with one implementation for every
-backend: the dispatcher calls the Python function directly (about 5 us with its checks).
+``torch.library.custom_op`` wraps each call in several Python layers, a few times the host
+cost of ``F.linear`` itself; with one op per matmul of the target's forward (212 on E2B) that
+adds up to milliseconds per uncaptured step (figures in ``benchmarks/results/h100``,
+thirty-fifth session). These ops are defined on a ``torch.library.Library`` fragment instead,
+with one implementation for every backend: the dispatcher calls the Python function directly,
+about half the overhead.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 ``target_linear`` (``ops/small_linear.py``) chooses between our kernel and ``F.linear`` when it
 runs, because torch.compile traces the target once for every token count. Inside a CUDA graph
 that choice costs nothing; outside one (prefill batches past the largest captured size) the
-compiled graph calls the op from Python once per matmul, 212 times an E2B forward, which on
-the H100 made a request's first token 3-5 ms slower at B = 8 / 16 than on ``mm``.
+compiled graph calls the op from Python once per matmul, 212 times an E2B forward, and a
+request's first token came slower than on ``mm`` (``benchmarks/results/h100``, thirty-fifth
+session).
 
 vLLM compiles a graph per compile range (``CompilationConfig.compile_ranges_endpoints``) and
 runs each post-grad pass only on the ranges it says it applies to. ``split_target_ranges``
