@@ -4,6 +4,8 @@ installed as vLLM's post-grad pass with a compile range ending at TARGET_MAX_ROW
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -55,6 +57,35 @@ def test_to_matmul_leaves_other_ranks_and_other_ops() -> None:
     before = [n.target for n in module.graph.nodes]
     assert to_matmul(module.graph) == 0
     assert [n.target for n in module.graph.nodes] == before
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU code needs a C++ compiler")
+def test_the_rewrite_runs_in_inductors_post_grad_pipeline() -> None:
+    """As vLLM installs it, the rewrite runs on Inductor's post-grad graph of a dynamic-shape
+    compile: the generated code calls no ``target_linear`` and gives the op's values."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.utils import run_and_get_code
+
+    class Rewrite(CustomGraphPass):  # type: ignore[misc]
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            self.replaced = to_matmul(graph)
+
+        def uuid(self) -> str:
+            return "test_target_linear_ranges.Rewrite"
+
+    def forward(x: torch.Tensor, w: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(torch.ops.gemma4_spec.target_linear(x, w))
+        return torch.ops.gemma4_spec.target_linear(hidden, w2) + x
+
+    torch._dynamo.reset()
+    rewrite = Rewrite()
+    compiled = torch.compile(forward, dynamic=True, options={"post_grad_custom_post_pass": rewrite})
+    x, w, w2 = torch.randn(40, 24), torch.randn(56, 24), torch.randn(24, 56)
+    out, code = run_and_get_code(compiled, x, w, w2)
+    assert rewrite.replaced == 2
+    assert "target_linear" not in "".join(code)
+    torch.testing.assert_close(out, forward(x, w, w2))
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize(("start", "past"), [(1, False), (TARGET_MAX_ROWS, False), (17, True)])
