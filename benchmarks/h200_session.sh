@@ -271,21 +271,23 @@ profile-real)  # torch.profiler per engine variant (profile_decode.py), started 
     logs=()
     for spec in $variants; do
         v=${spec%%:*}; argmax=ours; [ "$v" != "$spec" ] && argmax=${spec#*:}
-        logs+=("$OUT/profile_${v}_$argmax.log")
-        VLLM_CACHE_ROOT=/tmp/prof-cache-$v-$argmax timeout "${PROFILE_TIMEOUT:-520}" \
+        f=${v//[+=]/_}  # file names: the device tool does not bring back a '+' or '='
+        logs+=("$OUT/profile_${f}_$argmax.log")
+        VLLM_CACHE_ROOT=/tmp/prof-cache-$f-$argmax timeout "${PROFILE_TIMEOUT:-520}" \
             python3 benchmarks/profile_decode.py --pair "${PROFILE_PAIR:-trained}" \
             --variant "$v" --draft-argmax "$argmax" --k "${PROFILE_K:-3}" \
             --batch "${PROFILE_BATCH:-1,16}" --lock /tmp/profile.lock --workdir /tmp/real \
             --acceptance "${PROFILE_ACCEPTANCE:-zero}" \
             --graph-census ${PROFILE_PY:+--py-profile} \
-            --kernels-json "$OUT/kernels_${v}_$argmax.json" > "${logs[-1]}" 2>&1 &
+            --kernels-json "$OUT/kernels_${f}_$argmax.json" > "${logs[-1]}" 2>&1 &
     done
     wait
     for log in "${logs[@]}"; do
         sed -n '/^=====/p;/^CUDA-graph replays/,/^per output token/p;/^per output token/,/CPU busy/p;/^GPU timeline/,/^$/p' "$log"
     done
     # Each variant's kernels against the first's (e.g. plain), batch by batch
-    set -- $variants; first=${1%%:*}_ours; [ "${1%%:*}" != "$1" ] && first=${1%%:*}_${1#*:}
+    set -- $variants; first=${1%%:*}; first=${first//[+=]/_}_ours
+    [ "${1%%:*}" != "$1" ] && first=${first%_ours}_${1#*:}
     for f in "$OUT"/kernels_*-b*.json; do
         case $f in *"/kernels_$first-"*) continue ;; esac
         b=${f##*-b}; python3 benchmarks/kernel_diff.py --rows 15 \
