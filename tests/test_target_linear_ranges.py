@@ -108,6 +108,7 @@ def test_split_target_ranges_installs_the_endpoint_and_the_pass() -> None:
     installed = config.inductor_compile_config[current_platform.pass_key]
     assert [installed.is_applicable_for_range(r) for r in ranges] == [False, True]
     assert isinstance(installed.uuid(), str)  # what vLLM's pass manager hashes for its cache
+    assert installed.uuid() != type(installed).__base__.hash_source(installed)  # + the rewrite
 
     x, w, w2 = torch.randn(20, 8), torch.randn(12, 8), torch.randn(8, 12)
     module = _traced(x, w, w2)

@@ -78,6 +78,10 @@ def _pass_class() -> type:
         def is_applicable_for_range(self, compile_range: Any) -> bool:
             return past_target_rows(compile_range.start)
 
+        def uuid(self) -> str:
+            # Inductor caches compiled graphs under this: the rewrite's source is part of it.
+            return InductorPass.hash_source(self, to_matmul, past_target_rows)
+
     return TargetLinearToMatmul
 
 
