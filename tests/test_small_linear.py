@@ -325,20 +325,15 @@ def test_target_rows_are_opt_in(set_env) -> None:  # type: ignore[no-untyped-def
     target = torch.nn.Sequential(
         _Layer(UnquantizedLinearMethod()), _Layer(UnquantizedLinearMethod())
     )
-    from vllm.config import CompilationConfig
-
-    config = CompilationConfig(compile_ranges_endpoints=[2048])
     set_env(TARGET_LINEAR_ENV, None)
-    assert use_target_rows_linear(target, "cuda", config) == 0
+    assert use_target_rows_linear(target, "cuda") == 0
     assert target_rows_layers(target) == 0
     set_env("GEMMA4_SPEC_SMALL_LINEAR", "0")
     set_env(TARGET_LINEAR_ENV, "1")
-    assert use_target_rows_linear(target, "cuda", config) == 0
-    assert config.compile_ranges_endpoints == [2048]  # nothing swapped, nothing split
+    assert use_target_rows_linear(target, "cuda") == 0
     set_env("GEMMA4_SPEC_SMALL_LINEAR", None)
-    assert use_target_rows_linear(target, "cuda", config) == 2
+    assert use_target_rows_linear(target, "cuda") == 2
     assert target_rows_layers(target) == 2
-    assert config.compile_ranges_endpoints == [TARGET_MAX_ROWS, 2048]
     draft = torch.nn.Sequential(_Layer(UnquantizedLinearMethod()))
     assert use_small_rows_linear(draft, "cuda") == 1
     assert target_rows_layers(draft) == 0  # the draft's method is not the target's

@@ -1,19 +1,25 @@
 """The compiled graphs past TARGET_MAX_ROWS tokens put ``mm`` back where ``target_linear`` was
 (``ops/target_linear_ranges.py``): the rewrite keeps the product, touches only the op, and is
-installed as vLLM's post-grad pass with a compile range ending at TARGET_MAX_ROWS."""
+installed as vLLM's post-grad pass with a compile range ending at TARGET_MAX_ROWS, from the
+engine arguments when the opt-in is on."""
 
 from __future__ import annotations
 
+import pickle
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
+from vllm.compilation.passes.inductor_pass import InductorPass
 
-from gemma4_spec.ops.small_linear import TARGET_MAX_ROWS
+from gemma4_spec.ops.small_linear import SMALL_LINEAR_ENV, TARGET_LINEAR_ENV, TARGET_MAX_ROWS
 from gemma4_spec.ops.target_linear_ranges import (
     TARGET_LINEAR,
+    TargetLinearToMatmul,
     past_target_rows,
+    prepare_target_ranges,
     split_target_ranges,
     to_matmul,
 )
@@ -96,37 +102,35 @@ def test_only_ranges_wholly_past_the_cap_are_rewritten(start: int, past: bool) -
 
 
 def test_split_target_ranges_installs_the_endpoint_and_the_pass() -> None:
-    pytest.importorskip("vllm")
-    from vllm.config import CompilationConfig
+    """The endpoint goes into the config vLLM builds the engine's from (which adds its own at
+    max_num_batched_tokens); the pass applies past it, pickles (it travels to the engine and
+    worker processes) and hashes the rewrite."""
+    from vllm.config import CompilationConfig, VllmConfig
     from vllm.platforms import current_platform
 
-    config = CompilationConfig(compile_ranges_endpoints=[2048])
+    config = CompilationConfig()
     assert split_target_ranges(config)
-    assert config.compile_ranges_endpoints == [TARGET_MAX_ROWS, 2048]
-    ranges = config.get_compile_ranges()
-    assert [(r.start, r.end) for r in ranges] == [(1, TARGET_MAX_ROWS), (17, 2048)]
-    installed = config.inductor_compile_config[current_platform.pass_key]
+    assert config.compile_ranges_endpoints == [TARGET_MAX_ROWS]
+    engine = VllmConfig(compilation_config=config)
+    tokens = engine.scheduler_config.max_num_batched_tokens
+    ranges = engine.compilation_config.get_compile_ranges()
+    assert [(r.start, r.end) for r in ranges] == [(1, TARGET_MAX_ROWS), (17, tokens)]
+    installed = engine.compilation_config.inductor_compile_config[current_platform.pass_key]
+    assert isinstance(installed, TargetLinearToMatmul)
     assert [installed.is_applicable_for_range(r) for r in ranges] == [False, True]
-    assert isinstance(installed.uuid(), str)  # what vLLM's pass manager hashes for its cache
-    assert installed.uuid() != type(installed).__base__.hash_source(installed)  # + the rewrite
+    travelled = pickle.loads(pickle.dumps(installed))
+    assert travelled.uuid() == installed.uuid()
+    assert installed.uuid() != InductorPass.hash_source(installed)  # it covers the rewrite
 
     x, w, w2 = torch.randn(20, 8), torch.randn(12, 8), torch.randn(8, 12)
     module = _traced(x, w, w2)
-    installed(module.graph)
+    travelled(module.graph)
     assert _targets(module.graph) == []
 
 
-def test_split_target_ranges_stands_aside() -> None:
-    pytest.importorskip("vllm")
+def test_split_target_ranges_stands_aside_for_another_pass() -> None:
     from vllm.config import CompilationConfig
     from vllm.platforms import current_platform
-
-    uncompiled = CompilationConfig(compile_ranges_endpoints=None)
-    assert not split_target_ranges(uncompiled)
-    assert uncompiled.compile_ranges_endpoints is None
-    small = CompilationConfig(compile_ranges_endpoints=[TARGET_MAX_ROWS])
-    assert not split_target_ranges(small)
-    assert current_platform.pass_key not in small.inductor_compile_config
 
     theirs = CompilationConfig(compile_ranges_endpoints=[2048])
     marker = object()
@@ -134,3 +138,29 @@ def test_split_target_ranges_stands_aside() -> None:
     assert not split_target_ranges(theirs)
     assert theirs.compile_ranges_endpoints == [2048]
     assert theirs.inductor_compile_config[current_platform.pass_key] is marker
+
+
+def test_engine_arguments_get_the_split_only_with_the_opt_in_on_cuda(
+    set_env, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """``prepare_target_ranges`` gives the engine arguments a split copy of their compilation
+    config with ``GEMMA4_SPEC_TARGET_LINEAR=1`` on CUDA, and leaves them alone otherwise."""
+    from vllm.config import CompilationConfig
+    from vllm.platforms import current_platform
+
+    original = CompilationConfig()
+    engine_args = SimpleNamespace(compilation_config=original)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    set_env(TARGET_LINEAR_ENV, None)
+    assert not prepare_target_ranges(engine_args)
+    set_env(TARGET_LINEAR_ENV, "1")
+    set_env(SMALL_LINEAR_ENV, "0")
+    assert not prepare_target_ranges(engine_args)
+    assert engine_args.compilation_config is original
+    set_env(SMALL_LINEAR_ENV, None)
+    assert prepare_target_ranges(engine_args)
+    assert engine_args.compilation_config.compile_ranges_endpoints == [TARGET_MAX_ROWS]
+    assert original.compile_ranges_endpoints is None  # the caller's config is not changed
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
+    engine_args.compilation_config = original
+    assert not prepare_target_ranges(engine_args)

@@ -40,7 +40,6 @@ kernels for different row counts do; greedy float32 output stays plain decoding'
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -263,15 +262,18 @@ def use_small_rows_linear(model: nn.Module, device: torch.device | str | None) -
     return len(_swap_unquantized(model, device, small_rows_linear_method))
 
 
-def use_target_rows_linear(
-    target: nn.Module, device: torch.device | str | None, compilation_config: Any = None
-) -> int:
+def target_rows_wanted() -> bool:
+    """Whether the target's matmuls are asked onto our kernel: ``GEMMA4_SPEC_TARGET_LINEAR=1``
+    and the kernel not turned off (``GEMMA4_SPEC_SMALL_LINEAR=0``)."""
+    return turned_on(TARGET_LINEAR_ENV) and not turned_off(SMALL_LINEAR_ENV)
+
+
+def use_target_rows_linear(target: nn.Module, device: torch.device | str | None) -> int:
     """With ``GEMMA4_SPEC_TARGET_LINEAR=1``, every unquantized linear layer of the target
     through ``target_linear`` (module docstring), on CUDA and unless
-    ``GEMMA4_SPEC_SMALL_LINEAR=0``; returns how many layers got it (0 when off). Given the
-    engine's ``compilation_config`` (before the target compiles), the compiled graphs past
-    ``TARGET_MAX_ROWS`` tokens go back to ``mm`` (``ops/target_linear_ranges.py``)."""
-    if not turned_on(TARGET_LINEAR_ENV):
+    ``GEMMA4_SPEC_SMALL_LINEAR=0``; returns how many layers got it (0 when off). The compiled
+    graphs past ``TARGET_MAX_ROWS`` tokens keep ``mm`` (``ops/target_linear_ranges.py``)."""
+    if not target_rows_wanted():
         return 0
     swapped = _swap_unquantized(target, device, target_rows_linear_method)
     if swapped:
@@ -281,10 +283,6 @@ def use_target_rows_linear(
 
         for weight_device in {layer.weight.device for layer in swapped}:
             prepare_small_linear(weight_device)
-        if compilation_config is not None:
-            from gemma4_spec.ops.target_linear_ranges import split_target_ranges
-
-            split_target_ranges(compilation_config)
         logger.info(
             "gemma4_spec: %d target linear layers on the small-rows kernel up to %d rows (%s=1).",
             len(swapped), TARGET_MAX_ROWS, TARGET_LINEAR_ENV,

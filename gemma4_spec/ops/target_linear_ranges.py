@@ -13,19 +13,24 @@ adds an endpoint at ``TARGET_MAX_ROWS`` and installs ``TargetLinearToMatmul`` as
 post-grad custom pass (vLLM's hook for one, ``current_platform.pass_key``): in the graphs of
 ranges whose every size is past ``TARGET_MAX_ROWS`` it puts ``aten.mm`` where ``target_linear``
 was, so those graphs run as they would without the op; the graph of ``[1, TARGET_MAX_ROWS]``
-keeps it. ``to_matmul`` is the graph rewrite itself, with no vLLM in it.
+keeps it. vLLM copies the pass into a model's compiler when it builds the model, before any
+plugin code sees the model, so ``prepare_target_ranges`` applies it to the engine arguments
+(``patch/patch_engine_args.py``, when the opt-in is on). ``to_matmul`` is the graph rewrite
+itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import torch
 from torch import fx
+from vllm.compilation.passes.inductor_pass import InductorPass
 
 from gemma4_spec.log import get_logger
-from gemma4_spec.ops.small_linear import TARGET_MAX_ROWS
+from gemma4_spec.ops.small_linear import TARGET_MAX_ROWS, target_rows_wanted
 
 logger = get_logger(__name__)
 
@@ -66,48 +71,58 @@ def past_target_rows(start: int) -> bool:
     return start > TARGET_MAX_ROWS
 
 
-def _pass_class() -> type:
-    from vllm.compilation.passes.inductor_pass import InductorPass
+class TargetLinearToMatmul(InductorPass):  # type: ignore[misc]
+    """``to_matmul`` on the graphs of compile ranges past ``TARGET_MAX_ROWS``. Module-level so
+    that it pickles with the engine's config into the engine and worker processes."""
 
-    class TargetLinearToMatmul(InductorPass):  # type: ignore[misc]
-        """``to_matmul`` on the graphs of compile ranges past ``TARGET_MAX_ROWS``."""
+    def __call__(self, graph: fx.Graph) -> None:
+        to_matmul(graph)
 
-        def __call__(self, graph: fx.Graph) -> None:
-            to_matmul(graph)
+    def is_applicable_for_range(self, compile_range: Any) -> bool:
+        return past_target_rows(compile_range.start)
 
-        def is_applicable_for_range(self, compile_range: Any) -> bool:
-            return past_target_rows(compile_range.start)
-
-        def uuid(self) -> str:
-            # Inductor caches compiled graphs under this: the rewrite's source is part of it.
-            return InductorPass.hash_source(self, to_matmul, past_target_rows)
-
-    return TargetLinearToMatmul
+    def uuid(self) -> str:
+        # Inductor caches compiled graphs under this: the rewrite's source is part of it.
+        return InductorPass.hash_source(self, to_matmul, past_target_rows)
 
 
 def split_target_ranges(compilation_config: Any) -> bool:
     """Adds the ``TARGET_MAX_ROWS`` endpoint to ``compilation_config``'s compile ranges and
-    ``TargetLinearToMatmul`` as its post-grad custom pass, before the target compiles; returns
-    whether it did. It does not where vLLM compiles no ranges (no compilation, or every batch
-    within ``TARGET_MAX_ROWS`` tokens) or a post-grad custom pass is set already (the op's
-    run-time choice then stays in every graph, as without this)."""
+    ``TargetLinearToMatmul`` as its post-grad custom pass; returns whether it did. For the
+    config an engine is built from: vLLM adds its own endpoint (``max_num_batched_tokens``)
+    and drops ours when batches never pass it, and copies the pass into each model's compiler
+    when the model is built, so this must come before. It stands aside where a post-grad pass
+    is set already (the op's run-time choice then stays in every graph, as without this)."""
     from vllm.platforms import current_platform
 
-    endpoints = list(compilation_config.compile_ranges_endpoints or [])
     key = current_platform.pass_key
     passes = compilation_config.inductor_compile_config
-    if not endpoints or max(endpoints) <= TARGET_MAX_ROWS:
-        return False
     if key in passes:
         logger.info(
             "gemma4_spec: a post-grad pass is set (%s): the target's matmuls choose their "
             "kernel at run time in every compiled graph.", key,
         )  # fmt: skip
         return False
+    endpoints = compilation_config.compile_ranges_endpoints or []
     compilation_config.compile_ranges_endpoints = sorted({*endpoints, TARGET_MAX_ROWS})
-    passes[key] = _pass_class()()
+    passes[key] = TargetLinearToMatmul()
     logger.info(
         "gemma4_spec: the target compiles a graph for 1-%d tokens (its matmuls on our kernel) "
         "and keeps mm in the graphs past it.", TARGET_MAX_ROWS,
     )  # fmt: skip
+    return True
+
+
+def prepare_target_ranges(engine_args: Any) -> bool:
+    """Where the target's matmuls will run on our kernel (``target_rows_wanted``, on CUDA),
+    gives ``engine_args`` a copy of its compilation config with ``split_target_ranges``
+    applied, before vLLM builds the engine's config from it; returns whether it did."""
+    from vllm.platforms import current_platform
+
+    if not (target_rows_wanted() and current_platform.is_cuda()):
+        return False
+    config = copy.deepcopy(engine_args.compilation_config)
+    if not split_target_ranges(config):
+        return False
+    engine_args.compilation_config = config
     return True

@@ -6,7 +6,9 @@ vLLM version and the target/assistant pair (sizes, KV shapes, vocab, centroids,
 ``token_ordering``) and raises one clear error instead of a failure deep inside a worker. If
 vLLM's own ``SpeculativeConfig`` rejects a gemma4_mtp request first (e.g. the draft is not an
 assistant), the same checks explain why, chained to vLLM's error. A checked request drafts
-greedily through our centroid argmax on Model Runner V2 too (``draft_with_our_argmax``).
+greedily through our centroid argmax on Model Runner V2 too (``draft_with_our_argmax``), and
+with ``GEMMA4_SPEC_TARGET_LINEAR=1`` the compilation config gets the target's compile ranges
+(``ops/target_linear_ranges.py``).
 vLLM versions: any (the version check itself must run on unsupported versions).
 """
 
@@ -52,9 +54,22 @@ def apply(arg_utils: ModuleType) -> None:
 
             check_gemma4_mtp_request(spec_config)
             draft_with_our_argmax(spec_config)
+            _split_target_ranges(self)
         return spec_config
 
     engine_args.create_speculative_config = ours(create_speculative_config)
+
+
+def _split_target_ranges(engine_args: Any) -> None:
+    """With the target's matmuls asked onto our kernel (opt-in), its compiled graphs past
+    ``TARGET_MAX_ROWS`` tokens keep ``mm``: set on the compilation config here, before vLLM
+    builds the engine's config and models from it (``ops/target_linear_ranges.py``)."""
+    from gemma4_spec.ops.small_linear import target_rows_wanted
+
+    if target_rows_wanted():
+        from gemma4_spec.ops.target_linear_ranges import prepare_target_ranges
+
+        prepare_target_ranges(engine_args)
 
 
 def _requests_gemma4_mtp(engine_args: Any) -> bool:

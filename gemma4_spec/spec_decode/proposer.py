@@ -426,9 +426,7 @@ class Gemma4Proposer(SpecDecodeBaseProposer):
         super().load_model(target_model)
         layers = get_layers_from_vllm_config(self.vllm_config, Attention)
         share_kv_scales(self._draft_attn_layer_names, layers)
-        use_target_rows_linear(  # opt-in
-            target_model, self.device, self.vllm_config.compilation_config
-        )
+        use_target_rows_linear(target_model, self.device)  # opt-in
         register_runner(self._runner)  # async scheduling's count correction, graphed
         # The runner's rejection sampler exists by now: let it verify greedy batches itself.
         sampler = getattr(self._runner, "rejection_sampler", None)

@@ -66,9 +66,7 @@ class Gemma4LoopSpeculator(Gemma4Speculator):
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         super().load_model(target_model)
-        use_target_rows_linear(  # opt-in
-            target_model, self.device, self.vllm_config.compilation_config
-        )
+        use_target_rows_linear(target_model, self.device)  # opt-in
 
     def _draft_attention(self) -> None:
         if not self._own_attention_set_up:
