@@ -161,6 +161,9 @@ def test_engine_arguments_get_the_split_only_with_the_opt_in_on_cuda(
     assert prepare_target_ranges(engine_args)
     assert engine_args.compilation_config.compile_ranges_endpoints == [TARGET_MAX_ROWS]
     assert original.compile_ranges_endpoints is None  # the caller's config is not changed
+    unparsed = SimpleNamespace(compilation_config={"mode": 3})
+    assert not prepare_target_ranges(unparsed)
+    assert unparsed.compilation_config == {"mode": 3}
     monkeypatch.setattr(current_platform, "is_cuda", lambda: False)
     engine_args.compilation_config = original
     assert not prepare_target_ranges(engine_args)

@@ -119,9 +119,12 @@ def prepare_target_ranges(engine_args: Any) -> bool:
     applied, before vLLM builds the engine's config from it; returns whether it did."""
     from vllm.platforms import current_platform
 
-    if not (target_rows_wanted() and current_platform.is_cuda()):
-        return False
-    config = copy.deepcopy(engine_args.compilation_config)
+    given = getattr(engine_args, "compilation_config", None)
+    if not (target_rows_wanted() and current_platform.is_cuda()) or not hasattr(
+        given, "inductor_compile_config"
+    ):
+        return False  # (a config vLLM has not parsed yet is left to vLLM as it is)
+    config = copy.deepcopy(given)
     if not split_target_ranges(config):
         return False
     engine_args.compilation_config = config
