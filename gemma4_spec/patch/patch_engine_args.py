@@ -63,7 +63,9 @@ def apply(arg_utils: ModuleType) -> None:
 def _split_target_ranges(engine_args: Any) -> None:
     """With the target's matmuls asked onto our kernel (opt-in), its compiled graphs past
     ``TARGET_MAX_ROWS`` tokens keep ``mm``: set on the compilation config here, before vLLM
-    builds the engine's config and models from it (``ops/target_linear_ranges.py``)."""
+    builds the engine's config and models from it (``ops/target_linear_ranges.py``). The
+    opt-in is checked before that module is imported: it imports vLLM's compile-pass
+    internals, which a request without the opt-in should not depend on."""
     from gemma4_spec.ops.small_linear import target_rows_wanted
 
     if target_rows_wanted():
