@@ -286,8 +286,8 @@ profile-real)  # torch.profiler per engine variant (profile_decode.py), started 
         sed -n '/^=====/p;/^CUDA-graph replays/,/^per output token/p;/^per output token/,/CPU busy/p;/^GPU timeline/,/^$/p' "$log"
     done
     # Each variant's kernels against the first's (e.g. plain), batch by batch
-    set -- $variants; first=${1%%:*}; first=${first//[+=]/_}_ours
-    [ "${1%%:*}" != "$1" ] && first=${first%_ours}_${1#*:}
+    set -- $variants; v=${1%%:*}; argmax=ours; [ "$v" != "$1" ] && argmax=${1#*:}
+    first=${v//[+=]/_}_$argmax  # its files' names, as the loop above made them
     for f in "$OUT"/kernels_*-b*.json; do
         case $f in *"/kernels_$first-"*) continue ;; esac
         b=${f##*-b}; python3 benchmarks/kernel_diff.py --rows 15 \
