@@ -74,7 +74,12 @@ def print_growth(first: cProfile.Profile, second: cProfile.Profile, top: int) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=real_work.PAIRS, default="trained")
-    parser.add_argument("--variant", default="ours-V1", choices=real_work.ENGINE_VARIANTS)
+    parser.add_argument(
+        "--variant",
+        default="ours-V1",
+        type=real_work.engine_variant,
+        help=real_work.ENGINE_VARIANTS_HELP,
+    )
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--batch", default="8,16")
     parser.add_argument("--workdir", default="/tmp/real")

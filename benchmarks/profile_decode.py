@@ -27,21 +27,14 @@ import cprofile_rows  # noqa: E402
 import real_work  # noqa: E402
 
 
-def _variant_name(name: str) -> str:
-    """``name`` if real_work can start it (``plain`` or a ``real_work.variant``), else exits."""
-    if name != "plain":
-        real_work.variant(name)  # exits naming the variants it knows
-    return name
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pair", choices=real_work.PAIRS, default="e2b")
     parser.add_argument(
         "--variant",
         default="ours-V1",
-        type=_variant_name,
-        help=f"plain, one of {list(real_work.VARIANTS)} or ours-V2+<setting>=<value>",
+        type=real_work.engine_variant,
+        help=real_work.ENGINE_VARIANTS_HELP,
     )
     parser.add_argument("--workdir", default="/tmp/real-work")
     parser.add_argument("--k", type=int, default=2)

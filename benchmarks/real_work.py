@@ -220,8 +220,15 @@ def variant(name: str) -> dict[str, Any]:
     return _on_v2(**{SETTINGS[k]: v for k, _, v in pairs})
 
 
-# What the profilers can start: plain decoding (drafting nothing) or a speculative variant.
-ENGINE_VARIANTS = ("plain", *VARIANTS)
+def engine_variant(name: str) -> str:
+    """``name`` if the profilers can start it: ``plain`` (drafting nothing) or a ``variant``;
+    else exits naming the variants it knows. An argparse ``type``."""
+    if name != "plain":
+        variant(name)
+    return name
+
+
+ENGINE_VARIANTS_HELP = f"plain, one of {list(VARIANTS)} or ours-V2+<setting>=<value>"
 
 
 def acceptance_spec(profile: str, k: int) -> dict[str, Any]:
