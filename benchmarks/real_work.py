@@ -528,6 +528,17 @@ def timed_passes(
             return outputs, walls
 
 
+def inductor_compiles() -> int | None:
+    """The Inductor compilations this process ran while its engine started (vLLM's counter): 0
+    where every graph came from the compile cache. ``None`` where the engine core runs in a
+    process of its own, whose counter this one cannot read."""
+    if os.environ.get(CORE_IN_PROCESS_ENV) != "0":
+        return None
+    from vllm.compilation.counter import compilation_counter
+
+    return compilation_counter.num_inductor_compiles
+
+
 def _worker(args: argparse.Namespace) -> None:
     """One engine: start, say ready, then on each go run one batch size: once in the first
     round, for at least ``--min-seconds`` in the later ones."""
@@ -558,6 +569,7 @@ def _worker(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - started
+    compiles = inductor_compiles()
     if args.measure_on:  # after start-up: every engine is measured on the same cores
         move_threads({int(c) for c in args.measure_on.split(",")})
     if args.scopes:  # the host's scopes of every step (engine core in process only)
@@ -673,6 +685,7 @@ def _worker(args: argparse.Namespace) -> None:
         json.dumps(
             {
                 "startup_s": startup_s,
+                "inductor_compiles": compiles,
                 "kv_cache_bytes": kwargs.get("kv_cache_memory_bytes"),
                 "kv_capacity_requests": capacity,
                 "runs": runs,
@@ -966,6 +979,8 @@ def print_tables(saved: dict[str, Any]) -> None:
         "steady tokens/s (x plain, x in-tree) | first pass x own steady "
         "| mean accepted length (steady median)"
     )
+    if any(_compiled_mark(result) for result in results.values()):
+        print("start s: c compiled its graphs while starting, l loaded them all from the cache")
     print(f"{'configuration':24}{'start s':>8}" + "".join(f"{'B=' + b:>34}" for b in batches))
     for name, result in results.items():
         cells = []
@@ -979,7 +994,8 @@ def print_tables(saved: dict[str, Any]) -> None:
             lengths = [r["mean_accepted_length"] for r in runs[1:] if r["mean_accepted_length"]]
             cell += f" | {statistics.median(lengths):4.2f}" if lengths else " |     "
             cells.append(cell)
-        print(f"{name:24}{result['startup_s']:8.0f}" + "".join(f"{c:>34}" for c in cells))
+        start = f"{result['startup_s']:.0f}{_compiled_mark(result)}"
+        print(f"{name:24}{start:>8}" + "".join(f"{c:>34}" for c in cells))
     for name, lines in saved.get("not_started", {}).items():
         print(f"{name:24}  did not start: {' | '.join(lines)}")
     for name, result in results.items():  # a batch the cache cannot hold runs partly queued
@@ -1031,6 +1047,13 @@ def print_tables(saved: dict[str, Any]) -> None:
             print(f"  {name:24} {same} / {total}")
     if not temperature:
         _print_repeats(results, batches)
+
+
+def _compiled_mark(result: dict[str, Any]) -> str:
+    """``c`` after the start seconds of an engine that compiled graphs as it started, ``l``
+    after one that loaded them all from the compile cache; nothing where unknown."""
+    compiles = result.get("inductor_compiles")
+    return "" if compiles is None else ("c" if compiles else "l")
 
 
 def _print_repeats(results: dict[str, Any], batches: list[str]) -> None:

@@ -95,6 +95,29 @@ def test_tables_without_plain(tmp_path: Path) -> None:
     assert ours.split()[4:7] == ["240", "-", "1.14x"]  # no plain; median 240 over in-tree's 210
 
 
+def test_start_column_says_compiled_or_loaded(tmp_path: Path) -> None:
+    # An engine's start compiles its graphs or loads them from the compile cache; the column
+    # says which, where the run recorded it (runs saved before the counter show neither).
+    cell = {"runs": {"1": _runs([190, 200, 220], 2.3)}}
+    saved = {
+        "pair": "e2b",
+        "new_tokens": 128,
+        "results": {
+            "in-tree k=2 field": {**cell, "startup_s": 172, "inductor_compiles": 30},
+            "ours-V2 k=2 field": {**cell, "startup_s": 24, "inductor_compiles": 0},
+            "ours-V2+target=1 k=2 field": {**cell, "startup_s": 25},
+        },
+    }
+    out = _tables(saved, tmp_path)
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("configuration"))
+    rows = {line.split()[0]: line for line in lines[header + 1 : header + 4]}
+    assert "start s: c compiled" in out
+    assert rows["in-tree"].split()[3] == "172c"
+    assert rows["ours-V2"].split()[3] == "24l"
+    assert rows["ours-V2+target=1"].split()[3] == "25"
+
+
 def _tables(saved: dict, tmp_path: Path, xz: bool = False) -> str:
     """What ``real_work.py --table`` prints for ``saved`` (kept as ``.json.xz`` if ``xz``)."""
     raw = json.dumps(saved).encode()
