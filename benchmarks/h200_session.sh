@@ -47,6 +47,8 @@
 #   real: the real-work benchmark (benchmarks/real_work.py; REAL_PAIR=e2b|trained,
 #         REAL_ARGS=<more arguments, split at spaces>; arguments after 'real' pass through
 #         as given, e.g. --only "plain,ours-V2 k"), after 'install' or 'engine' in an earlier call
+#   compile-ab: after 'install', one real run three times: every engine compiling, every one
+#         loading from the compile cache, then one engine alone compiling (AB_RECOMPILE)
 #   tp2: on the two-GPU kind, after 'install': tests/test_gpu_tp.py, then real_work.py at TP=2
 #         (TP2_TEST_ONLY=1: the test alone)
 # With 30 MiB parts: 'part' calls carry one part each (copied to /tmp/stage); the call that
@@ -61,7 +63,7 @@
 # .devexp/tf + .devexp/ours with 'install'; the MoE kernels in a call of their own. The machine
 # goes cold after 30 s without a call, and a cold machine has lost every staged part.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-chain|attention-sweep|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|profile|profile-real|tp2}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-chain|attention-sweep|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|compile-ab|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
@@ -244,6 +246,28 @@ real)
         --workdir /tmp/real --json "$OUT/real_work_$pair.json" ${REAL_ARGS:-} "${@:2}" \
         > "$OUT/real_work_$pair.log" 2>&1
     echo "real_work rc=$?"; grep -v "Capturing\|it/s" "$OUT/real_work_$pair.log" | tail -"${REAL_TAIL:-40}"
+    ;;
+compile-ab)  # one 'real' run three times: every engine compiles (caches removed), every engine
+    # loads, then engine AB_RECOMPILE (default 2, the third) alone compiles; arguments after
+    # 'compile-ab' replace the default run's. Whether compiling in the engine's own process
+    # changes its steps (the start column says c or l).
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    pair=${REAL_PAIR:-e2b}
+    args=(--k 2 --profiles field --batch 1,8 --rounds 4 --measure-cores 8
+        --variants in-tree,ours-V2,ours-V2+target=1 --only "in-tree k=2,ours-V2")
+    [ $# -gt 1 ] && args=("${@:2}")
+    for run in compiled loaded one-compiled; do
+        case $run in
+        compiled) rm -rf /tmp/real/cache-"$pair"-* ;;
+        one-compiled) rm -rf /tmp/real/cache-"$pair"-"${AB_RECOMPILE:-2}" ;;
+        esac
+        timeout "${REAL_TIMEOUT:-280}" python3 benchmarks/real_work.py --pair "$pair" \
+            --workdir /tmp/real --json "$OUT/compile_ab_$run.json" "${args[@]}" \
+            > "$OUT/compile_ab_$run.log" 2>&1
+        echo "== $run rc=$?"
+        sed -n "/^configuration/,/^\$/p" "$OUT/compile_ab_$run.log"
+        grep -A4 "decode steps' ms a step" "$OUT/compile_ab_$run.log"
+    done
     ;;
 profile)  # ours k=2 and plain V1 at batch 1 (PROFILE_RUNS picks others)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
