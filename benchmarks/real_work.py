@@ -528,12 +528,10 @@ def timed_passes(
             return outputs, walls
 
 
-def inductor_compiles() -> int | None:
+def inductor_compiles() -> int:
     """The Inductor compilations this process ran while its engine started (vLLM's counter): 0
-    where every graph came from the compile cache. ``None`` where the engine core runs in a
-    process of its own, whose counter this one cannot read."""
-    if os.environ.get(CORE_IN_PROCESS_ENV) != "0":
-        return None
+    where every graph came from the compile cache. The engine core's own process counts them:
+    read it where the core runs in this one."""
     from vllm.compilation.counter import compilation_counter
 
     return compilation_counter.num_inductor_compiles
@@ -569,7 +567,9 @@ def _worker(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     llm = LLM(**kwargs)
     startup_s = time.perf_counter() - started
-    compiles = inductor_compiles()
+    # The engine core in this process: its counters and its work are this process's to read.
+    core_here = os.environ.get(CORE_IN_PROCESS_ENV) == "0"
+    compiles = inductor_compiles() if core_here else None
     if args.measure_on:  # after start-up: every engine is measured on the same cores
         move_threads({int(c) for c in args.measure_on.split(",")})
     if args.scopes:  # the host's scopes of every step (engine core in process only)
@@ -579,7 +579,7 @@ def _worker(args: argparse.Namespace) -> None:
     faulthandler.cancel_dump_traceback_later()
     # What each cell compiles, captures or allocates (the engine core's work, when it runs
     # in this process): a first pass slower than the steady ones shows what it did more.
-    lazy = lazy_work.LazyWork() if os.environ.get(CORE_IN_PROCESS_ENV) == "0" else None
+    lazy = lazy_work.LazyWork() if core_here else None
     capacity = kv_capacity_requests(llm, request_tokens(config["k"], args.prompt_len))
     prompts = _prompts(args.pair, target, max(batches), args.prompt_len)
     # On Model Runner V2, greedy requests get a seed each, the same in every round and engine:
