@@ -292,26 +292,28 @@ profile-real)  # torch.profiler per engine variant (profile_decode.py), started 
     # adds the Python side (cProfile)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
     variants=${PROFILE_VARIANTS:-plain in-tree ours-V2 ours-V2:full-logits ours-V1}
+    # A variant spec's name and draft argmax, and its files' stem: the device tool does not
+    # bring back a file name with '+' or '='.
+    parse_spec() { v=${1%%:*}; argmax=ours; [ "$v" != "$1" ] && argmax=${1#*:}
+        stem=${v//[+=]/_}_$argmax; }
     logs=()
     for spec in $variants; do
-        v=${spec%%:*}; argmax=ours; [ "$v" != "$spec" ] && argmax=${spec#*:}
-        f=${v//[+=]/_}  # file names: the device tool does not bring back a '+' or '='
-        logs+=("$OUT/profile_${f}_$argmax.log")
-        VLLM_CACHE_ROOT=/tmp/prof-cache-$f-$argmax timeout "${PROFILE_TIMEOUT:-520}" \
+        parse_spec "$spec"
+        logs+=("$OUT/profile_$stem.log")
+        VLLM_CACHE_ROOT=/tmp/prof-cache-$stem timeout "${PROFILE_TIMEOUT:-520}" \
             python3 benchmarks/profile_decode.py --pair "${PROFILE_PAIR:-trained}" \
             --variant "$v" --draft-argmax "$argmax" --k "${PROFILE_K:-3}" \
             --batch "${PROFILE_BATCH:-1,16}" --lock /tmp/profile.lock --workdir /tmp/real \
             --acceptance "${PROFILE_ACCEPTANCE:-zero}" \
             --graph-census ${PROFILE_PY:+--py-profile} \
-            --kernels-json "$OUT/kernels_${f}_$argmax.json" > "${logs[-1]}" 2>&1 &
+            --kernels-json "$OUT/kernels_$stem.json" > "${logs[-1]}" 2>&1 &
     done
     wait
     for log in "${logs[@]}"; do
         sed -n '/^=====/p;/^CUDA-graph replays/,/^per output token/p;/^per output token/,/CPU busy/p;/^GPU timeline/,/^$/p' "$log"
     done
     # Each variant's kernels against the first's (e.g. plain), batch by batch
-    set -- $variants; v=${1%%:*}; argmax=ours; [ "$v" != "$1" ] && argmax=${1#*:}
-    first=${v//[+=]/_}_$argmax  # its files' names, as the loop above made them
+    set -- $variants; parse_spec "$1"; first=$stem
     for f in "$OUT"/kernels_*-b*.json; do
         case $f in *"/kernels_$first-"*) continue ;; esac
         b=${f##*-b}; python3 benchmarks/kernel_diff.py --rows 15 \
