@@ -528,13 +528,18 @@ def timed_passes(
             return outputs, walls
 
 
-def inductor_compiles() -> int:
-    """The Inductor compilations this process ran while its engine started (vLLM's counter): 0
-    where every graph came from the compile cache. The engine core's own process counts them:
-    read it where the core runs in this one."""
-    from vllm.compilation.counter import compilation_counter
+def graphs_compiled() -> int:
+    """Whether this process compiled graphs while its engine started, from vLLM's compilation
+    counters: the compiled functions it saved to the compile cache (none where it loaded them
+    all), or without vLLM's saved functions (``VLLM_USE_MEGA_AOT_ARTIFACT`` off) the graphs it
+    compiled into the cache. (vLLM's Inductor compile counter is no such sign: it counted 28 on
+    starts that loaded every graph.) The engine core's own process counts them: read it where
+    the core runs in this one."""
+    from vllm.compilation.counter import compilation_counter as counter
 
-    return compilation_counter.num_inductor_compiles
+    if counter.num_aot_artifacts_saved or counter.num_aot_artifacts_loaded:
+        return counter.num_aot_artifacts_saved
+    return counter.num_cache_entries_updated
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -569,7 +574,7 @@ def _worker(args: argparse.Namespace) -> None:
     startup_s = time.perf_counter() - started
     # The engine core in this process: its counters and its work are this process's to read.
     core_here = os.environ.get(CORE_IN_PROCESS_ENV) == "0"
-    compiles = inductor_compiles() if core_here else None
+    compiled = graphs_compiled() if core_here else None
     if args.measure_on:  # after start-up: every engine is measured on the same cores
         move_threads({int(c) for c in args.measure_on.split(",")})
     if args.scopes:  # the host's scopes of every step (engine core in process only)
@@ -685,7 +690,7 @@ def _worker(args: argparse.Namespace) -> None:
         json.dumps(
             {
                 "startup_s": startup_s,
-                "inductor_compiles": compiles,
+                "graphs_compiled": compiled,
                 "kv_cache_bytes": kwargs.get("kv_cache_memory_bytes"),
                 "kv_capacity_requests": capacity,
                 "runs": runs,
@@ -1052,8 +1057,8 @@ def print_tables(saved: dict[str, Any]) -> None:
 def _compiled_mark(result: dict[str, Any]) -> str:
     """``c`` after the start seconds of an engine that compiled graphs as it started, ``l``
     after one that loaded them all from the compile cache; nothing where unknown."""
-    compiles = result.get("inductor_compiles")
-    return "" if compiles is None else ("c" if compiles else "l")
+    compiled = result.get("graphs_compiled")
+    return "" if compiled is None else ("c" if compiled else "l")
 
 
 def _print_repeats(results: dict[str, Any], batches: list[str]) -> None:
