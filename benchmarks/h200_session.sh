@@ -49,6 +49,10 @@
 #         as given, e.g. --only "plain,ours-V2 k"), after 'install' or 'engine' in an earlier call
 #   compile-ab: after 'install', one real run three times: every engine compiling, every one
 #         loading from the compile cache, then one engine alone compiling (AB_RECOMPILE)
+#   target-norms: after 'install', the target compile range's Inductor norms (ours-V2+target=1,
+#         field k=2, B=1): torch.profiler of an engine that compiles, one that loads its
+#         cache, one that compiles with Inductor's reduction filter (TARGET_NORMS_RUNS picks),
+#         and the generated norm kernels with the configuration each kept (.best_config)
 #   tp2: on the two-GPU kind, after 'install': tests/test_gpu_tp.py, then real_work.py at TP=2
 #         (TP2_TEST_ONLY=1: the test alone)
 # With 30 MiB parts: 'part' calls carry one part each (copied to /tmp/stage); the call that
@@ -63,7 +67,7 @@
 # .devexp/tf + .devexp/ours with 'install'; the MoE kernels in a call of their own. The machine
 # goes cold after 30 s without a call, and a cold machine has lost every staged part.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-chain|attention-sweep|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|compile-ab|profile|profile-real|tp2}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-chain|attention-sweep|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|compile-ab|target-norms|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
@@ -267,6 +271,32 @@ compile-ab)  # one 'real' run three times: every engine compiles (caches removed
         echo "== $run rc=$?"
         sed -n "/^configuration/,/^\$/p" "$OUT/compile_ab_$run.log"
         grep -A4 "decode steps' ms a step" "$OUT/compile_ab_$run.log"
+    done
+    ;;
+target-norms)  # in the thirty-seventh session the norms that read the target's matmul output
+    # in its 1-16 token graph ran 5-16 us a launch, by process, where the default's take 3-4
+    export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
+    for run in ${TARGET_NORMS_RUNS:-compiled loaded filtered}; do
+        variant=ours-V2+target=1 cache=/tmp/norms-cache ind=/tmp/norms-inductor
+        case $run in
+        compiled) rm -rf $cache $ind ;;
+        filtered) variant=$variant+rfilter=1 cache=$cache-f ind=$ind-f; rm -rf $cache $ind ;;
+        esac
+        TORCHINDUCTOR_CACHE_DIR=$ind VLLM_CACHE_ROOT=$cache timeout "${PROFILE_TIMEOUT:-250}" \
+            python3 benchmarks/profile_decode.py --pair e2b --variant "$variant" --k 2 \
+            --batch 1 --acceptance field --workdir /tmp/real \
+            --kernels-json "$OUT/kernels_norms_$run.json" > "$OUT/profile_norms_$run.log" 2>&1
+        echo "== $run rc=$?"
+        sed -n '/^=====/p;/GPU busy/p' "$OUT/profile_norms_$run.log"
+        mkdir -p "$OUT/inductor-$run"
+        grep -rl --include='*.py' -e 'def triton_red_fused_add_rms_norm_target_linear' \
+            -e 'def triton_red_fused_add_mul_rms_norm_target_linear' \
+            -e 'def triton_red_fused_add_rms_norm_0(' -e 'def triton_red_fused_add_mul_rms_norm_4(' \
+            "$ind" | while read -r f; do
+            cp "$f" "$OUT/inductor-$run/"
+            [ -f "${f%.py}.best_config" ] && cp "${f%.py}.best_config" "$OUT/inductor-$run/"
+        done
+        ls "$OUT/inductor-$run"
     done
     ;;
 profile)  # ours k=2 and plain V1 at batch 1 (PROFILE_RUNS picks others)

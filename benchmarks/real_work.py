@@ -192,7 +192,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 DEFAULT_VARIANTS = ("in-tree", "ours-V1", "ours-V2")
 # Settings a variant can add to ours-V2 by name, "ours-V2+sizes=m128_w4+large=48": the plugin
-# setting each short name stands for.
+# setting (or, marked, the torch setting) each short name stands for.
 SETTINGS = {
     "sizes": "GEMMA4_SPEC_SPLIT_ATTENTION_SIZES",
     "large": "GEMMA4_SPEC_LARGE_VERIFY_TOKENS",
@@ -202,6 +202,9 @@ SETTINGS = {
     "qrope": "GEMMA4_SPEC_FUSED_QROPE",
     "segments": "GEMMA4_SPEC_VERIFY_SEGMENTS",
     "target": "GEMMA4_SPEC_TARGET_LINEAR",  # "ours-V2+target=1": the target's matmuls on ours
+    # torch: one reduction configuration chosen by Inductor's rule, none timed at run time.
+    # The target's compile range ran its norms at speeds that differed between processes.
+    "rfilter": "TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS",
 }
 
 

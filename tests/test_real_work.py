@@ -45,6 +45,10 @@ def test_variants_with_settings_by_name() -> None:
         "GEMMA4_SPEC_SPLIT_ATTENTION_SIZES": "m128_w4",
         "GEMMA4_SPEC_LARGE_VERIFY_TOKENS": "48",
     }
+    # A torch setting by its short name too: Inductor's one reduction configuration.
+    env = real_work.variant("ours-V2+target=1+rfilter=1")["env"]
+    assert env["TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS"] == "1"
+    assert env["GEMMA4_SPEC_TARGET_LINEAR"] == "1"
     for bad in ("ours-V2+colour=red", "ours-V1+sizes=m128", "ours-V2+sizes=", "ours-V2+"):
         with pytest.raises(SystemExit, match="unknown variant.*sizes"):
             real_work.variant(bad)
