@@ -51,8 +51,9 @@
 #         loading from the compile cache, then one engine alone compiling (AB_RECOMPILE)
 #   target-norms: after 'install', the target compile range's Inductor norms (ours-V2+target=1,
 #         field k=2, B=1): torch.profiler of an engine that compiles, one that loads its
-#         cache, one that compiles with Inductor's reduction filter (TARGET_NORMS_RUNS picks),
-#         and the generated norm kernels with the configuration each kept (.best_config)
+#         cache, one that compiles with Inductor's reduction filter (TARGET_NORMS_RUNS picks;
+#         'default': ours-V2 at the same cell), and the generated norm kernels with the
+#         configuration each kept (.best_config); about 170 s a run that compiles
 #   tp2: on the two-GPU kind, after 'install': tests/test_gpu_tp.py, then real_work.py at TP=2
 #         (TP2_TEST_ONLY=1: the test alone)
 # With 30 MiB parts: 'part' calls carry one part each (copied to /tmp/stage); the call that
@@ -281,6 +282,7 @@ target-norms)  # in the thirty-seventh session the norms that read the target's 
         case $run in
         compiled) rm -rf $cache $ind ;;
         filtered) variant=$variant+rfilter=1 cache=$cache-f ind=$ind-f; rm -rf $cache $ind ;;
+        default) variant=ours-V2 cache=$cache-d ind=$ind-d; rm -rf $cache $ind ;;
         esac
         TORCHINDUCTOR_CACHE_DIR=$ind VLLM_CACHE_ROOT=$cache timeout "${PROFILE_TIMEOUT:-250}" \
             python3 benchmarks/profile_decode.py --pair e2b --variant "$variant" --k 2 \
