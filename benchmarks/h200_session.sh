@@ -48,7 +48,8 @@
 #         REAL_ARGS=<more arguments, split at spaces>; arguments after 'real' pass through
 #         as given, e.g. --only "plain,ours-V2 k"), after 'install' or 'engine' in an earlier call
 #   compile-ab: after 'install', one real run three times: every engine compiling, every one
-#         loading from the compile cache, then one engine alone compiling (AB_RECOMPILE)
+#         loading from the compile cache, then one engine alone compiling (AB_RECOMPILE);
+#         AB_RUNS picks (all three took more than one call's 600 s)
 #   target-norms: after 'install', the target compile range's Inductor norms (ours-V2+target=1,
 #         field k=2, B=1): torch.profiler of an engine that compiles, one that loads its
 #         cache, one that compiles with Inductor's reduction filter (TARGET_NORMS_RUNS picks;
@@ -261,7 +262,7 @@ compile-ab)  # one 'real' run three times: every engine compiles (caches removed
     args=(--k 2 --profiles field --batch 1,8 --rounds 4 --measure-cores 8
         --variants in-tree,ours-V2,ours-V2+target=1 --only "in-tree k=2,ours-V2")
     [ $# -gt 1 ] && args=("${@:2}")
-    for run in compiled loaded one-compiled; do
+    for run in ${AB_RUNS:-compiled loaded one-compiled}; do  # the three need two calls
         case $run in
         compiled) rm -rf /tmp/real/cache-"$pair"-* ;;
         one-compiled) rm -rf /tmp/real/cache-"$pair"-"${AB_RECOMPILE:-2}" ;;
