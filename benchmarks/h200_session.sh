@@ -49,7 +49,7 @@
 #         as given, e.g. --only "plain,ours-V2 k"), after 'install' or 'engine' in an earlier call
 #   compile-ab: after 'install', one real run three times: every engine compiling, every one
 #         loading from the compile cache, then one engine alone compiling (AB_RECOMPILE);
-#         AB_RUNS picks (all three took more than one call's 600 s)
+#         AB_RUNS picks (all three do not fit one call)
 #   target-norms: after 'install', the target compile range's Inductor norms (ours-V2+target=1,
 #         field k=2, B=1): torch.profiler of an engine that compiles, one that loads its
 #         cache, one that compiles with Inductor's reduction filter (TARGET_NORMS_RUNS picks;
@@ -275,8 +275,8 @@ compile-ab)  # one 'real' run three times: every engine compiles (caches removed
         grep -A4 "decode steps' ms a step" "$OUT/compile_ab_$run.log"
     done
     ;;
-target-norms)  # in the thirty-seventh session the norms that read the target's matmul output
-    # in its 1-16 token graph ran 5-16 us a launch, by process, where the default's take 3-4
+target-norms)  # the norms that read the target's matmul output in its 1-16 token graph: their
+    # speed by process, and Inductor's choices for them (benchmarks/results/h100, 37th session)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
     for run in ${TARGET_NORMS_RUNS:-compiled loaded filtered}; do
         variant=ours-V2+target=1 cache=/tmp/norms-cache ind=/tmp/norms-inductor

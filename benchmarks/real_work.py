@@ -202,8 +202,8 @@ SETTINGS = {
     "qrope": "GEMMA4_SPEC_FUSED_QROPE",
     "segments": "GEMMA4_SPEC_VERIFY_SEGMENTS",
     "target": "GEMMA4_SPEC_TARGET_LINEAR",  # "ours-V2+target=1": the target's matmuls on ours
-    # torch: one reduction configuration chosen by Inductor's rule, none timed at run time.
-    # The target's compile range ran its norms at speeds that differed between processes.
+    # torch: one reduction configuration chosen by Inductor's rule, none timed at run time
+    # (for the target compile range's norms, whose speed differed between processes).
     "rfilter": "TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS",
 }
 
@@ -535,9 +535,9 @@ def graphs_compiled() -> int:
     """Whether this process compiled graphs while its engine started, from vLLM's compilation
     counters: the compiled functions it saved to the compile cache (none where it loaded them
     all), or without vLLM's saved functions (``VLLM_USE_MEGA_AOT_ARTIFACT`` off) the graphs it
-    compiled into the cache. (vLLM's Inductor compile counter is no such sign: it counted 28 on
-    starts that loaded every graph.) The engine core's own process counts them: read it where
-    the core runs in this one."""
+    compiled into the cache. (vLLM's Inductor compile counter is no such sign: it counts on
+    starts that load every graph too.) The engine core's own process counts them: read it
+    where the core runs in this one."""
     from vllm.compilation.counter import compilation_counter as counter
 
     if counter.num_aot_artifacts_saved or counter.num_aot_artifacts_loaded:
