@@ -292,14 +292,23 @@ target-norms)  # the norms that read the target's matmul output in its 1-16 toke
         echo "== $run rc=$?"
         sed -n '/^=====/p;/GPU busy/p' "$OUT/profile_norms_$run.log"
         mkdir -p "$OUT/inductor-$run"
-        grep -rl --include='*.py' -e 'def triton_red_fused_add_rms_norm_target_linear' \
+        # a kernel's own file: one @triton.jit (a graph's output code names its kernels too)
+        find "$ind" -name '*.py' -size -200k -print0 | xargs -0 -r grep -l \
+            -e 'def triton_red_fused_add_rms_norm_target_linear' \
             -e 'def triton_red_fused_add_mul_rms_norm_target_linear' \
             -e 'def triton_red_fused_add_rms_norm_0(' -e 'def triton_red_fused_add_mul_rms_norm_4(' \
-            "$ind" | while read -r f; do
+            | while read -r f; do
+            [ "$(grep -c '@triton.jit' "$f")" = 1 ] || continue
             cp "$f" "$OUT/inductor-$run/"
             [ -f "${f%.py}.best_config" ] && cp "${f%.py}.best_config" "$OUT/inductor-$run/"
         done
-        ls "$OUT/inductor-$run"
+        for f in "$OUT/inductor-$run"/*.py; do  # each kernel's name, hints, and kept config
+            [ -f "$f" ] || continue
+            grep -h -o -e 'def triton_[a-z_0-9]*' -e "size_hints={[^}]*}" \
+                -e 'reduction_hint=ReductionHint\.[A-Z_]*' "$f" | tr '\n' ' '
+            cat "${f%.py}.best_config" 2>/dev/null
+            echo
+        done
     done
     ;;
 profile)  # ours k=2 and plain V1 at batch 1 (PROFILE_RUNS picks others)
