@@ -31,11 +31,19 @@ captured back to back in one CUDA graph, for cuBLAS, ours with the draft's tiles
 target's (``target_config``: ``target_linear``'s, from the 278d557 sweep); us a forward and the
 weight bytes read per second. One kernel at a time (the rows above) each matmul pays its start
 and drain alone; in a graph they run back to back.
+``--norms`` (with ``--forward``) also times each chain with the residual add and RMS norm that
+follows every matmul of the hidden width in the target (``HIDDEN``: the attention's output and
+the MLP's down projection, the per-layer input projection), compiled by Inductor as vLLM's
+graphs compile it (a looped reduction over rows sized for 16384 tokens), and prints what the
+norms add to each chain: the norm's cost after cuBLAS against after ours, the same kernel on
+the same rows (the engine's norms ran 1.2-4.6x slower in the 1-16 token graph on our kernel,
+``benchmarks/results/h100``, thirty-seventh and thirty-eighth sessions).
 
     PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 1,3,8,16,24,32,48,64,96
     PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 48 --sweep \
         --sweep-tokens 3,24,48,96
     PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --forward --tokens 1,16,48,96
+    PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --forward --norms --tokens 1,3,4,16
 """
 
 from __future__ import annotations
@@ -104,6 +112,8 @@ TARGET_SHAPES: dict[str, tuple[int, int, int]] = {
     "ple model proj": (8960, 1536, 1),
     "lm_head": (262144, 1536, 1),
 }
+HIDDEN = 1536  # the target's hidden width: the matmuls whose output a norm reads (--norms)
+NORM_HINT_ROWS = 16384  # the rows Inductor sizes the norm for (vLLM's compile hint, 0.26)
 SMOKE_SHAPES: dict[str, tuple[int, int, int]] = {"wide": (96, 40, 1), "long": (16, 600, 2)}
 VARIANTS = ("ours", "cuBLAS", "reference")
 GATED = "gate_up_proj"  # the shape the gated rows time
@@ -140,15 +150,33 @@ def _sweep_configs(
     return configs
 
 
+def _add_rms_norm(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``residual + rms_norm(y) * weight`` in float32, as Gemma 4's layers add a sublayer's
+    normed output to the residual stream (``--norms``)."""
+    y32 = y.float()
+    normed = y32 * torch.rsqrt(y32.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.float()
+    return (residual.float() + normed).to(y.dtype)
+
+
+def compiled_add_rms_norm(device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+    """``_add_rms_norm`` through Inductor with the rows dynamic, compiled first at
+    ``NORM_HINT_ROWS`` so its kernel is sized as the engine's are."""
+    norm = torch.compile(_add_rms_norm, dynamic=True, fullgraph=True)
+    y = torch.randn(NORM_HINT_ROWS, HIDDEN, device=device, dtype=dtype)
+    norm(y, y, torch.ones(HIDDEN, device=device, dtype=dtype))
+    return norm
+
+
 def time_forward(
     shapes: dict[str, tuple[int, int, int]],
     tokens: list[int],
     device: torch.device,
     dtype: torch.dtype,
     reps: int,
+    norms: bool = False,
 ) -> list[dict]:
     """``--forward``: each variant's whole forward of matmuls in one CUDA graph (module
-    docstring), per row count."""
+    docstring), per row count; with ``norms`` each also with its norms (``--norms``)."""
     weights = [
         torch.randn(n, k, device=device, dtype=dtype) / k**0.5
         for n, k, per_step in shapes.values()
@@ -176,8 +204,41 @@ def time_forward(
         print(f"{t:4d} {us['cuBLAS']:10.1f} {us['ours']:10.1f} {us['target']:10.1f} "
               f"{nbytes / us['cuBLAS'] / 1e6:11.2f} {nbytes / us['target'] / 1e6:10.2f} "
               f"{us['cuBLAS'] / us['target']:12.2f}")  # fmt: skip
-        rows_out.append({"forward": t, "us": us, "weight_bytes": nbytes})
+        row = {"forward": t, "us": us, "weight_bytes": nbytes}
+        if norms:
+            row["norms"] = _time_norms(chains, pairs, us, device, dtype, reps)
+        rows_out.append(row)
     return rows_out
+
+
+def _time_norms(
+    chains: dict[str, list[Callable[[], torch.Tensor]]],
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+    bare_us: dict[str, float],
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int,
+) -> dict[str, dict[str, float]]:
+    """``--norms`` at one row count: each chain again with the norm after every matmul of
+    ``HIDDEN`` columns, and what the norms added (us a forward, us a norm)."""
+    norm = compiled_add_rms_norm(device, dtype)
+    rows = pairs[0][0].shape[0]
+    residual = torch.randn(rows, HIDDEN, device=device, dtype=dtype)
+    scale = torch.ones(HIDDEN, device=device, dtype=dtype)
+    count = sum(w.shape[0] == HIDDEN for _, w in pairs)
+    out = {}
+    for name, fns in chains.items():
+        normed = [
+            (lambda fn=fn: norm(fn(), residual, scale)) if w.shape[0] == HIDDEN else fn
+            for fn, (_, w) in zip(fns, pairs, strict=True)
+        ]
+        with_us = _time_cuda_chain(normed, reps) * len(normed)
+        added = with_us - bare_us[name]
+        out[name] = {"forward_us": with_us, "norms_us": added, "per_norm_us": added / count}
+    print("     norms after each variant's matmuls (" + str(count) + " a forward): "
+          + ", ".join(f"{n} {v['norms_us']:.1f} us ({v['per_norm_us']:.2f} a norm)"
+                      for n, v in out.items()))  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -198,6 +259,9 @@ def main() -> None:
     parser.add_argument(
         "--target", action="store_true", help="the E2B target's matmuls, not the draft's"
     )
+    parser.add_argument(
+        "--norms", action="store_true", help="with --forward: also the norms after the matmuls"
+    )
     args = parser.parse_args()
     device, dtype, cuda, reps = bench_setup(args)
     shapes = SMOKE_SHAPES if args.smoke else TARGET_SHAPES if args.target else SHAPES
@@ -210,7 +274,8 @@ def main() -> None:
     if args.forward:
         if not (cuda and args.target):
             sys.exit("--forward times the target's forward in a CUDA graph: CUDA and --target")
-        rows = time_forward(shapes, [int(x) for x in args.tokens.split(",")], device, dtype, reps)
+        tokens = [int(x) for x in args.tokens.split(",")]
+        rows = time_forward(shapes, tokens, device, dtype, reps, args.norms)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return
