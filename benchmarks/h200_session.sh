@@ -53,8 +53,10 @@
 #   target-norms: after 'install', the target compile range's Inductor norms (ours-V2+target=1,
 #         field k=2, B=1): torch.profiler of an engine that compiles, one that loads its
 #         cache, one that compiles with Inductor's reduction filter (TARGET_NORMS_RUNS picks;
-#         'default': ours-V2 at the same cell), and the generated norm kernels with the
-#         configuration each kept (.best_config); about 170 s a run that compiles
+#         'default': ours-V2 at the same cell), and the generated norm kernels; about 230 s a
+#         run that compiles (two runs a call)
+#   norm-context: step 1's alternative (stages part00): the compiled norm after cuBLAS and
+#         after our matmul at the target's shapes (small_linear.py --target --forward --norms)
 #   tp2: on the two-GPU kind, after 'install': tests/test_gpu_tp.py, then real_work.py at TP=2
 #         (TP2_TEST_ONLY=1: the test alone)
 # With 30 MiB parts: 'part' calls carry one part each (copied to /tmp/stage); the call that
@@ -69,7 +71,7 @@
 # .devexp/tf + .devexp/ours with 'install'; the MoE kernels in a call of their own. The machine
 # goes cold after 30 s without a call, and a cold machine has lost every staged part.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-chain|attention-sweep|chain|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|compile-ab|target-norms|profile|profile-real|tp2}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-chain|attention-sweep|chain|norm-context|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|compile-ab|target-norms|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
@@ -101,6 +103,13 @@ chain)  # step 1's alternative, staging part00 as step 1 does
     echo "small-rows matmul and q norm/rope tests rc=$?"; tail -2 "$OUT/test_small_linear_cuda.log"
     timeout 200 python3 benchmarks/draft_chain.py --json "$OUT/draft_chain.json" 2>&1 \
         | grep -v Warning | tee "$OUT/draft_chain.log"
+    ;;
+norm-context)  # why the 1-16 token graph's norms run slow (results/h100, 38th session)
+    stage_part00
+    export PYTHONPATH=$PWD
+    timeout 300 python3 benchmarks/small_linear.py --target --forward --norms \
+        --tokens "${NORM_TOKENS:-1,3,4,8,16}" --json "$OUT/norm_context.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/norm_context.log"
     ;;
 kernels)
     stage_part00
@@ -279,13 +288,15 @@ target-norms)  # the norms that read the target's matmul output in its 1-16 toke
     # speed by process, and Inductor's choices for them (benchmarks/results/h100, 37th session)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
     for run in ${TARGET_NORMS_RUNS:-compiled loaded filtered}; do
-        variant=ours-V2+target=1 cache=/tmp/norms-cache ind=/tmp/norms-inductor
+        variant=ours-V2+target=1 cache=/tmp/norms-cache
         case $run in
-        compiled) rm -rf $cache $ind ;;
-        filtered) variant=$variant+rfilter=1 cache=$cache-f ind=$ind-f; rm -rf $cache $ind ;;
-        default) variant=ours-V2 cache=$cache-d ind=$ind-d; rm -rf $cache $ind ;;
+        compiled) rm -rf $cache ;;
+        filtered) variant=$variant+rfilter=1 cache=$cache-f; rm -rf $cache ;;
+        default) variant=ours-V2 cache=$cache-d; rm -rf $cache ;;
         esac
-        TORCHINDUCTOR_CACHE_DIR=$ind VLLM_CACHE_ROOT=$cache timeout "${PROFILE_TIMEOUT:-250}" \
+        # vLLM points Inductor's cache into VLLM_CACHE_ROOT, whatever TORCHINDUCTOR_CACHE_DIR
+        # says; an engine that compiles takes about 230 s here with the profiler
+        VLLM_CACHE_ROOT=$cache timeout "${PROFILE_TIMEOUT:-400}" \
             python3 benchmarks/profile_decode.py --pair e2b --variant "$variant" --k 2 \
             --batch 1 --acceptance field --workdir /tmp/real \
             --kernels-json "$OUT/kernels_norms_$run.json" > "$OUT/profile_norms_$run.log" 2>&1
@@ -293,7 +304,7 @@ target-norms)  # the norms that read the target's matmul output in its 1-16 toke
         sed -n '/^=====/p;/GPU busy/p' "$OUT/profile_norms_$run.log"
         mkdir -p "$OUT/inductor-$run"
         # a kernel's own file: one @triton.jit (a graph's output code names its kernels too)
-        find "$ind" -name '*.py' -size -200k -print0 | xargs -0 -r grep -l \
+        find "$cache" -name '*.py' -size -200k -print0 | xargs -0 -r grep -l \
             -e 'def triton_red_fused_add_rms_norm_target_linear' \
             -e 'def triton_red_fused_add_mul_rms_norm_target_linear' \
             -e 'def triton_red_fused_add_rms_norm_0(' -e 'def triton_red_fused_add_mul_rms_norm_4(' \

@@ -183,6 +183,7 @@ def time_forward(
         for _ in range(per_step)
     ]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
+    norm = compiled_add_rms_norm(device, dtype) if norms else None
     rows_out = []
     print(f"forward: {len(weights)} matmuls, {nbytes / 1e9:.2f} GB of weights, one CUDA graph")
     print(f"{'T':>4s} {'cuBLAS us':>10s} {'ours us':>10s} {'target us':>10s} "
@@ -205,26 +206,24 @@ def time_forward(
               f"{nbytes / us['cuBLAS'] / 1e6:11.2f} {nbytes / us['target'] / 1e6:10.2f} "
               f"{us['cuBLAS'] / us['target']:12.2f}")  # fmt: skip
         row = {"forward": t, "us": us, "weight_bytes": nbytes}
-        if norms:
-            row["norms"] = _time_norms(chains, pairs, us, device, dtype, reps)
+        if norm is not None:
+            row["norms"] = _time_norms(norm, chains, pairs, us, reps)
         rows_out.append(row)
     return rows_out
 
 
 def _time_norms(
+    norm: Callable[..., torch.Tensor],
     chains: dict[str, list[Callable[[], torch.Tensor]]],
     pairs: list[tuple[torch.Tensor, torch.Tensor]],
     bare_us: dict[str, float],
-    device: torch.device,
-    dtype: torch.dtype,
     reps: int,
 ) -> dict[str, dict[str, float]]:
     """``--norms`` at one row count: each chain again with the norm after every matmul of
     ``HIDDEN`` columns, and what the norms added (us a forward, us a norm)."""
-    norm = compiled_add_rms_norm(device, dtype)
-    rows = pairs[0][0].shape[0]
-    residual = torch.randn(rows, HIDDEN, device=device, dtype=dtype)
-    scale = torch.ones(HIDDEN, device=device, dtype=dtype)
+    x = pairs[0][0]
+    residual = torch.randn(x.shape[0], HIDDEN, device=x.device, dtype=x.dtype)
+    scale = torch.ones(HIDDEN, device=x.device, dtype=x.dtype)
     count = sum(w.shape[0] == HIDDEN for _, w in pairs)
     out = {}
     for name, fns in chains.items():
