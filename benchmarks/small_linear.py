@@ -36,8 +36,10 @@ follows every matmul of the hidden width in the target (``HIDDEN``: the attentio
 the MLP's down projection, the per-layer input projection), compiled by Inductor as vLLM's
 graphs compile it (a looped reduction over rows sized for 16384 tokens), and prints what the
 norms add to each chain: the norm's cost after cuBLAS against after ours, the same kernel on
-the same rows (the engine's norms ran 1.2-4.6x slower in the 1-16 token graph on our kernel,
-``benchmarks/results/h100``, thirty-seventh and thirty-eighth sessions).
+the same rows; a fourth chain, ``target unsplit``, runs ours with all of K in one program a
+tile, without the partial sums that ours' last program of a tile adds up. Why: the engine's
+norms ran slower in the 1-16 token graph on our kernel (``benchmarks/results/h100``,
+thirty-seventh and thirty-eighth sessions).
 
     PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 1,3,8,16,24,32,48,64,96
     PYTHONPATH=$PWD python3 benchmarks/small_linear.py --target --tokens 48 --sweep \
@@ -201,6 +203,11 @@ def time_forward(
                 for x, w in pairs
             ],
         }
+        if norm is not None:  # is it the partial sums' ending that a norm after ours feels?
+            chains["target unsplit"] = [
+                partial(small_linear_kernel, x, w, _unsplit(target_config(t, *w.shape, device)))
+                for x, w in pairs
+            ]
         us = {name: _time_cuda_chain(fns, reps) * len(fns) for name, fns in chains.items()}
         print(f"{t:4d} {us['cuBLAS']:10.1f} {us['ours']:10.1f} {us['target']:10.1f} "
               f"{nbytes / us['cuBLAS'] / 1e6:11.2f} {nbytes / us['target'] / 1e6:10.2f} "
@@ -210,6 +217,11 @@ def time_forward(
             row["norms"] = _time_norms(norm, chains, pairs, us, reps)
         rows_out.append(row)
     return rows_out
+
+
+def _unsplit(cfg: SmallLinearConfig) -> SmallLinearConfig:
+    """``cfg`` with all of K in one program a tile (no partial sums)."""
+    return cfg._replace(splits=1, steps_per_split=cfg.splits * cfg.steps_per_split)
 
 
 def _time_norms(
@@ -234,9 +246,11 @@ def _time_norms(
         with_us = _time_cuda_chain(normed, reps) * len(normed)
         added = with_us - bare_us[name]
         out[name] = {"forward_us": with_us, "norms_us": added, "per_norm_us": added / count}
-    print("     norms after each variant's matmuls (" + str(count) + " a forward): "
-          + ", ".join(f"{n} {v['norms_us']:.1f} us ({v['per_norm_us']:.2f} a norm)"
-                      for n, v in out.items()))  # fmt: skip
+    print(f"     with the {count} norms after each chain's hidden-width matmuls: forward us"
+          " without -> with (the norms' us a forward, a norm)")  # fmt: skip
+    for n, v in out.items():
+        print(f"       {n:15s} {bare_us[n]:8.1f} -> {v['forward_us']:8.1f} "
+              f"({v['norms_us']:6.1f}, {v['per_norm_us']:5.2f})")  # fmt: skip
     return out
 
 
