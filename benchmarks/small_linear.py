@@ -284,6 +284,8 @@ def main() -> None:
     fused = small_linear_gelu_and_mul_kernel if args.target else small_linear_gelu_and_mul
     if not triton_usable(device):
         sys.exit("needs CUDA and triton, or TRITON_INTERPRET=1 on CPU")
+    if args.norms and not args.forward:
+        sys.exit("--norms times the norms in --forward's chains: add --forward --target")
     if args.forward:
         if not (cuda and args.target):
             sys.exit("--forward times the target's forward in a CUDA graph: CUDA and --target")
