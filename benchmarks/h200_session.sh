@@ -285,7 +285,7 @@ compile-ab)  # one 'real' run three times: every engine compiles (caches removed
     done
     ;;
 target-norms)  # the norms that read the target's matmul output in its 1-16 token graph: their
-    # speed by process, and Inductor's choices for them (benchmarks/results/h100, 37th session)
+    # speed by process, and their generated code (benchmarks/results/h100, 37th-38th sessions)
     export PYTHONPATH=$PWD:/tmp/tf:/tmp/site
     for run in ${TARGET_NORMS_RUNS:-compiled loaded filtered}; do
         variant=ours-V2+target=1 cache=/tmp/norms-cache
@@ -311,13 +311,13 @@ target-norms)  # the norms that read the target's matmul output in its 1-16 toke
             | while read -r f; do
             [ "$(grep -c '@triton.jit' "$f")" = 1 ] || continue
             cp "$f" "$OUT/inductor-$run/"
-            [ -f "${f%.py}.best_config" ] && cp "${f%.py}.best_config" "$OUT/inductor-$run/"
         done
-        for f in "$OUT/inductor-$run"/*.py; do  # each kernel's name, hints, and kept config
+        # each kernel's name and hints (an inner reduction has one configuration: nothing is
+        # timed at run time, so Inductor keeps no .best_config for these)
+        for f in "$OUT/inductor-$run"/*.py; do
             [ -f "$f" ] || continue
             grep -h -o -e 'def triton_[a-z_0-9]*' -e "size_hints={[^}]*}" \
                 -e 'reduction_hint=ReductionHint\.[A-Z_]*' "$f" | tr '\n' ' '
-            cat "${f%.py}.best_config" 2>/dev/null
             echo
         done
     done
