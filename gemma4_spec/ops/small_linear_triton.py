@@ -86,17 +86,23 @@ def _with_splits(
     where the tiles leave SMs idle (module docstring)."""
     block_t = min(MAX_BLOCK_T, max(16, triton.next_power_of_2(rows)))
     block_k = min(BLOCK_K, max(16, triton.next_power_of_2(depth)))
-    sms = sm_count(device, INTERPRET_SMS)
     tiles = triton.cdiv(columns, block_n) * triton.cdiv(rows, block_t)
-    steps = triton.cdiv(depth, block_k)
+    splits, per_split = k_splits(triton.cdiv(depth, block_k), tiles, device)
+    return SmallLinearConfig(
+        block_t, block_n, block_k, splits, per_split, num_warps=4, num_stages=num_stages
+    )
+
+
+def k_splits(steps: int, tiles: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, steps per split)`` for ``steps`` steps along K over ``tiles`` output tiles:
+    splits only for 4 steps or more, as many as bring the programs to about one per SM, at
+    least ``MIN_STEPS_PER_SPLIT`` steps each."""
+    sms = sm_count(device, INTERPRET_SMS)
     splits = 1
     if steps >= 2 * MIN_STEPS_PER_SPLIT and tiles < sms:
         splits = min(steps // MIN_STEPS_PER_SPLIT, max(1, sms // tiles))
     per_split = triton.cdiv(steps, splits)
-    splits = triton.cdiv(steps, per_split)  # no split without steps
-    return SmallLinearConfig(
-        block_t, block_n, block_k, splits, per_split, num_warps=4, num_stages=num_stages
-    )
+    return triton.cdiv(steps, per_split), per_split  # no split without steps
 
 
 def prepare_small_linear(device: torch.device | str) -> torch.Tensor:
