@@ -1,0 +1,164 @@
+"""The draft layer's work between two attentions in one launch (``ops/draft_mlp_block*.py``)
+against its torch reference: staged (a launch a stage) and persistent (grid barriers) alike.
+
+On CPU the kernel runs under Triton's interpreter, in a subprocess (``TRITON_INTERPRET=1`` must
+be set before triton is imported), where programs run one after another: the stages run as
+launches of their own, and the persistent form with one program (whose barriers open at once),
+which must give the staged form's values exactly. On CUDA: the assistant's shapes, the
+persistent form with all its programs, CUDA-graph replay, and the counters back at zero.
+
+What "close" means (``row_rms_excess``): the reference computes in float32 throughout, the
+kernel rounds each intermediate to the model dtype as the unfused layer does (in bfloat16 up to
+about 4.5 rounding steps of a value plus its row's RMS at the shapes below, under the
+interpreter); in float32 the two differ by the order of the sums.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
+from gemma4_spec.ops.draft_mlp_block import MlpBlockWeights, draft_mlp_block_reference
+from gemma4_spec.testing.closeness import row_rms_excess
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_TRITON),
+    reason="needs a CUDA GPU and triton (the CPU side runs under the interpreter)",
+)
+EPS = 1e-6
+# (rows, hidden H, attention width Q, MLP width I): the output projection split over K (under
+# the interpreter's 4 "SMs"); the down projection split; H not a power of two and I not a
+# multiple of the column tile; the most rows the kernel takes.
+SMALL_SHAPES = ((1, 32, 512, 320), (3, 16, 300, 600), (17, 48, 200, 72), (64, 32, 130, 40))
+# The E2B assistant: H 256, Q 2048 (sliding layers) or 4096 (full), I 2048.
+ASSISTANT_SHAPES = ((256, 2048, 2048), (256, 4096, 2048))
+# Rounding steps allowed in bfloat16: the block rounds about ten intermediates.
+BF16_STEPS = 8
+
+
+def _operands(
+    rows: int, hidden: int, depth: int, width: int, dtype: torch.dtype, device: str, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, MlpBlockWeights]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def t(*shape: int, scale: float = 1.0, offset: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale + offset).to(device, dtype)
+
+    w = MlpBlockWeights(
+        o_proj=t(hidden, depth, scale=depth**-0.5),
+        gate_up=t(2 * width, hidden, scale=hidden**-0.5),
+        down=t(hidden, width, scale=width**-0.5),
+        post_attention_norm=t(hidden, scale=0.2, offset=1.0),
+        pre_feedforward_norm=t(hidden, scale=0.2, offset=1.0),
+        post_feedforward_norm=t(hidden, scale=0.2, offset=1.0),
+        next_norm=t(hidden, scale=0.2, offset=1.0),
+        layer_scalar=t(1, scale=0.1, offset=0.7),
+    )
+    return t(rows, depth), t(rows, hidden), w
+
+
+def _assert_close(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> None:
+    for got, want in zip(out, ref, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        steps = 1 if got.dtype == torch.float32 else BF16_STEPS
+        worst = row_rms_excess(got, want, steps)
+        assert worst <= 0, f"off by {worst} beyond {steps} roundings"
+
+
+def _check_block_against_reference(device: str) -> None:
+    from gemma4_spec.ops.device_counters import counters_of
+    from gemma4_spec.ops.draft_mlp_block_triton import block_config, draft_mlp_block_kernel
+
+    splits_seen = set()
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, hidden, depth, width in SMALL_SHAPES:
+            attn, h, w = _operands(rows, hidden, depth, width, dtype, device, seed=rows)
+            cfg = block_config(rows, hidden, depth, width, attn.device)
+            splits_seen |= {"o"} if cfg.o_splits > 1 else set()
+            splits_seen |= {"down"} if cfg.d_splits > 1 else set()
+            staged = draft_mlp_block_kernel(attn, h, w, EPS)
+            _assert_close(staged, draft_mlp_block_reference(attn, h, w, EPS))
+            # One program through every stage and barrier: the same sums in the same order.
+            persistent = draft_mlp_block_kernel(attn, h, w, EPS, programs=1)
+            for got, want in zip(persistent, staged, strict=True):
+                assert torch.equal(got, want), "the persistent form differs from the staged"
+    assert splits_seen == {"o", "down"}, f"projections split: {splits_seen}"
+    for counters in counters_of("draft_mlp_block"):
+        assert not counters.any(), counters.tolist()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only (the CUDA tests cover it)")
+def test_block_matches_reference_under_interpreter(check_under_interpreter) -> None:  # type: ignore[no-untyped-def]
+    check_under_interpreter("test_draft_mlp_block", "_check_block_against_reference")
+
+
+def test_a_wrong_block_fails_the_closeness_check() -> None:
+    """The allowance is tight enough to see a dropped split of the output projection."""
+    attn, h, w = _operands(3, 32, 512, 320, torch.bfloat16, "cpu")
+    want = draft_mlp_block_reference(attn, h, w, EPS)
+    half = attn.clone()
+    half[:, 256:] = 0  # the second of two K splits lost
+    with pytest.raises(AssertionError, match="beyond"):
+        _assert_close(draft_mlp_block_reference(half, h, w, EPS), want)
+
+
+def test_too_many_rows_is_an_error() -> None:
+    from gemma4_spec.ops.draft_mlp_block_triton import MAX_ROWS, draft_mlp_block_kernel
+
+    attn, h, w = _operands(MAX_ROWS + 1, 16, 32, 32, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="rows"):
+        draft_mlp_block_kernel(attn, h, w, EPS)
+
+
+def test_strided_operands_are_an_error() -> None:
+    from gemma4_spec.ops.draft_mlp_block_triton import draft_mlp_block_kernel
+
+    attn, h, w = _operands(2, 16, 32, 32, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="contiguous"):
+        draft_mlp_block_kernel(attn.t().contiguous().t(), h, w, EPS)
+    with pytest.raises(ValueError, match="contiguous"):
+        draft_mlp_block_kernel(attn, h, w._replace(down=w.down.t().contiguous().t()), EPS)
+
+
+@needs_cuda
+def test_block_matches_reference_cuda_small() -> None:
+    _check_block_against_reference("cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 32, 64])
+def test_assistant_shapes_cuda(rows: int, dtype: torch.dtype) -> None:
+    from gemma4_spec.ops.device_counters import counters_of
+    from gemma4_spec.ops.draft_mlp_block_triton import draft_mlp_block_kernel
+
+    for hidden, depth, width in ASSISTANT_SHAPES:
+        attn, h, w = _operands(rows, hidden, depth, width, dtype, "cuda", seed=rows)
+        persistent = draft_mlp_block_kernel(attn, h, w, EPS)
+        _assert_close(persistent, draft_mlp_block_reference(attn, h, w, EPS))
+        staged = draft_mlp_block_kernel(attn, h, w, EPS, staged=True)
+        for got, want in zip(persistent, staged, strict=True):
+            assert torch.equal(got, want), "the persistent form differs from the staged"
+    for counters in counters_of("draft_mlp_block"):
+        assert not counters.any(), counters.tolist()
+
+
+@needs_cuda
+def test_graph_replay_cuda() -> None:
+    """Captured once, replayed over new inputs: the replay's outputs are the eager call's."""
+    from gemma4_spec.ops.draft_mlp_block_triton import draft_mlp_block_kernel
+
+    attn, h, w = _operands(8, 256, 2048, 2048, torch.bfloat16, "cuda")
+    draft_mlp_block_kernel(attn, h, w, EPS)  # outside capture: the counters exist
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = draft_mlp_block_kernel(attn, h, w, EPS)
+    for seed in range(3):
+        fresh_attn, fresh_h, _ = _operands(8, 256, 2048, 2048, torch.bfloat16, "cuda", seed + 10)
+        attn.copy_(fresh_attn)
+        h.copy_(fresh_h)
+        graph.replay()
+        for got, want in zip(out, draft_mlp_block_kernel(attn, h, w, EPS), strict=True):
+            assert torch.equal(got, want)
