@@ -19,7 +19,14 @@ import pytest
 import torch
 
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
-from gemma4_spec.ops.draft_mlp_block import MlpBlockWeights, draft_mlp_block_reference
+from gemma4_spec.ops.draft_mlp_block import (
+    DRAFT_BLOCK_ENV,
+    MlpBlockWeights,
+    draft_mlp_block_applies,
+    draft_mlp_block_reference,
+    draft_mlp_block_unfused,
+    uses_draft_block,
+)
 from gemma4_spec.testing.closeness import row_rms_excess
 
 needs_cuda = pytest.mark.skipif(
@@ -58,6 +65,10 @@ def _operands(
     return t(rows, depth), t(rows, hidden), w
 
 
+def _op(attn: torch.Tensor, h: torch.Tensor, w: MlpBlockWeights) -> tuple[torch.Tensor, ...]:
+    return torch.ops.gemma4_spec.draft_mlp_block(attn, h, *w, EPS)
+
+
 def _assert_close(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> None:
     for got, want in zip(out, ref, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -84,6 +95,11 @@ def _check_block_against_reference(device: str) -> None:
             for got, want in zip(persistent, staged, strict=True):
                 assert torch.equal(got, want), "the persistent form differs from the staged"
     assert splits_seen == {"o", "down"}, f"projections split: {splits_seen}"
+    # The custom op runs the kernel where it applies (here: the interpreter's CPU tensors).
+    attn, h, w = _operands(3, 32, 512, 320, torch.bfloat16, device)
+    assert draft_mlp_block_applies(attn, h, w)
+    for got, want in zip(_op(attn, h, w), draft_mlp_block_kernel(attn, h, w, EPS), strict=True):
+        assert torch.equal(got, want)
     for counters in counters_of("draft_mlp_block"):
         assert not counters.any(), counters.tolist()
 
@@ -102,6 +118,35 @@ def test_a_wrong_block_fails_the_closeness_check() -> None:
     half[:, 256:] = 0  # the second of two K splits lost
     with pytest.raises(AssertionError, match="beyond"):
         _assert_close(draft_mlp_block_reference(half, h, w, EPS), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 100])
+def test_op_runs_the_unfused_ops_where_the_kernel_does_not_apply(
+    rows: int, dtype: torch.dtype
+) -> None:
+    """On CPU without the interpreter (and past the kernel's rows): the layer's own ops, close
+    to the reference."""
+    attn, h, w = _operands(rows, 48, 96, 80, dtype, "cpu", seed=rows)
+    assert not draft_mlp_block_applies(attn, h, w)
+    got = _op(attn, h, w)
+    for g, u in zip(got, draft_mlp_block_unfused(attn, h, w, EPS), strict=True):
+        assert torch.equal(g, u)
+    _assert_close(got, draft_mlp_block_reference(attn, h, w, EPS))
+
+
+def test_the_block_is_opt_in_and_cuda_only(set_env) -> None:  # type: ignore[no-untyped-def]
+    tanh = "gelu_pytorch_tanh"
+    set_env(DRAFT_BLOCK_ENV, None)
+    assert not uses_draft_block("cuda", 1, tanh, False)
+    set_env(DRAFT_BLOCK_ENV, "1")
+    assert not uses_draft_block("cpu", 1, tanh, False)
+    assert not uses_draft_block(None, 1, tanh, False)
+    if torch.cuda.is_available() and HAS_TRITON:
+        assert uses_draft_block("cuda", 1, tanh, False)
+        assert not uses_draft_block("cuda", 2, tanh, False)  # the projections are sharded
+        assert not uses_draft_block("cuda", 1, "gelu", False)
+        assert not uses_draft_block("cuda", 1, tanh, True)
 
 
 def test_too_many_rows_is_an_error() -> None:

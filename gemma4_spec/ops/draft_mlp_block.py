@@ -20,6 +20,14 @@ projection, its residual norm, gate/up with the activation, down projection, its
 costs 3-4 us in a CUDA graph, mostly the wait between dependent kernels
 (``benchmarks/draft_chain.py``). The kernel runs the five as stages of one persistent launch
 with grid barriers between them (``ops/draft_mlp_block_triton.py``).
+
+``draft_mlp_block`` (the custom op ``gemma4_spec::draft_mlp_block``) runs the kernel where it
+applies and the layer's own ops one by one otherwise (``draft_mlp_block_unfused``: more rows
+than the kernel takes, strided operands, no Triton). The assistant routes its layers through it
+when ``GEMMA4_SPEC_DRAFT_BLOCK=1`` (opt-in, ``uses_draft_block``) on CUDA with one
+tensor-parallel rank. The draft's tokens may change where two draft logits are within rounding
+of each other (the kernel rounds where the unfused layer does, but sums in another order); the
+target verifies every draft, so the output does not.
 """
 
 from __future__ import annotations
@@ -28,6 +36,13 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+
+from gemma4_spec.ops.centroid_argmax_triton import triton_usable
+from gemma4_spec.ops.custom_ops import custom_op
+from gemma4_spec.ops.small_linear import FUSED_ACTIVATION, gelu_and_mul_formula
+from gemma4_spec.switches import turned_on
+
+DRAFT_BLOCK_ENV = "GEMMA4_SPEC_DRAFT_BLOCK"
 
 
 class MlpBlockWeights(NamedTuple):
@@ -60,3 +75,104 @@ def draft_mlp_block_reference(
     h2 = (h1 + _rms(d, w.post_feedforward_norm, eps)) * w.layer_scalar.float()
     x_next = _rms(h2, w.next_norm, eps)
     return h2.to(h.dtype), x_next.to(h.dtype)
+
+
+def draft_mlp_block_unfused(
+    attn: torch.Tensor, h: torch.Tensor, w: MlpBlockWeights, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h2, x')`` by the layer's own ops in the model dtype: the matmuls, vLLM's RMS norm
+    (float32 statistics, rounded, then the gain) and the gated activation one by one."""
+    dtype = h.dtype
+
+    def norm(v: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        v32 = v.float()
+        return (v32 * torch.rsqrt(v32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype) * gain
+
+    linear = nn.functional.linear
+    h1 = h + norm(linear(attn, w.o_proj), w.post_attention_norm)
+    m = gelu_and_mul_formula(linear(norm(h1, w.pre_feedforward_norm), w.gate_up))
+    h2 = (h1 + norm(linear(m, w.down), w.post_feedforward_norm)) * w.layer_scalar
+    return h2, norm(h2, w.next_norm)
+
+
+def draft_mlp_block_applies(attn: torch.Tensor, h: torch.Tensor, w: MlpBlockWeights) -> bool:
+    """Whether ``draft_mlp_block`` runs the kernel for these operands (else the unfused ops)."""
+    from gemma4_spec.ops.draft_mlp_block_triton import MAX_ROWS
+
+    rows = attn.shape[0] if attn.dim() == 2 else -1
+    hidden = h.shape[-1]
+    width = w.down.shape[-1]
+    return (
+        triton_usable(attn.device)
+        and h.dim() == 2
+        and 0 < rows <= MAX_ROWS
+        and h.shape[0] == rows
+        and attn.stride(-1) == 1
+        and h.stride(-1) == 1
+        and w.o_proj.shape == (hidden, attn.shape[1])
+        and w.gate_up.shape == (2 * width, hidden)
+        and w.down.shape == (hidden, width)
+        and all(t.is_contiguous() and t.device == attn.device for t in w)
+    )
+
+
+def _block_like(
+    attn: torch.Tensor,
+    h: torch.Tensor,
+    o_proj: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    post_attention_norm: torch.Tensor,
+    pre_feedforward_norm: torch.Tensor,
+    post_feedforward_norm: torch.Tensor,
+    next_norm: torch.Tensor,
+    layer_scalar: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``draft_mlp_block`` returns, for torch.compile's tracing."""
+    return torch.empty_like(h), torch.empty_like(h)
+
+
+@custom_op("draft_mlp_block", fake=_block_like)
+def draft_mlp_block(
+    attn: torch.Tensor,
+    h: torch.Tensor,
+    o_proj: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    post_attention_norm: torch.Tensor,
+    pre_feedforward_norm: torch.Tensor,
+    post_feedforward_norm: torch.Tensor,
+    next_norm: torch.Tensor,
+    layer_scalar: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h2, x')`` of the module docstring: one persistent launch where the kernel applies,
+    the unfused ops otherwise."""
+    w = MlpBlockWeights(
+        o_proj, gate_up, down, post_attention_norm, pre_feedforward_norm,
+        post_feedforward_norm, next_norm, layer_scalar,
+    )  # fmt: skip
+    if not draft_mlp_block_applies(attn, h, w):
+        return draft_mlp_block_unfused(attn, h, w, eps)
+    from gemma4_spec.ops.draft_mlp_block_triton import draft_mlp_block_kernel
+
+    return draft_mlp_block_kernel(attn, h, w, eps)
+
+
+def uses_draft_block(
+    device: torch.device | str | None, tp_size: int, activation: str, biased: bool
+) -> bool:
+    """Whether the assistant's layers run through ``draft_mlp_block``: asked for
+    (``GEMMA4_SPEC_DRAFT_BLOCK=1``), on CUDA with Triton, one tensor-parallel rank (the
+    kernel's projections are whole, no all-reduce), the kernel's activation, no biases."""
+    if device is None or not turned_on(DRAFT_BLOCK_ENV):
+        return False
+    device = torch.device(device)
+    return (
+        device.type == "cuda"
+        and triton_usable(device)
+        and tp_size == 1
+        and activation == FUSED_ACTIVATION
+        and not biased
+    )
