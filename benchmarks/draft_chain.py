@@ -5,7 +5,8 @@ matmuls through cuBLAS (``F.linear``, what vLLM runs), our small-rows kernel
 matmul and activation in one launch, ``small_linear_gelu_and_mul``, and the query norm and
 rotary embedding in one, ``q_norm_rope``), the fused form with each layer's work from the
 output projection to the next layer's input norm in one persistent launch (``block``:
-``ops/draft_mlp_block*.py``, grid barriers between its five stages) and the same kernel as five
+``ops/draft_mlp_block*.py``, grid barriers between its five stages; ``prefetch``: with the
+first weights of the stages after a barrier loaded before it) and the same kernel as five
 launches without barriers (``staged``: what the barriers are worth against launches), and the
 float32 reference.
 
@@ -20,8 +21,9 @@ rotary embedding: vLLM's formula, ``q_norm_rope.py``'s ``vllm_formula``, Inducto
 Every variant is captured in a CUDA graph and timed by ``centroid_argmax.py``'s harness (cold
 L2 before each replay, CUDA events, the median of ``--reps``); the kernel isolated from its
 neighbours (``small_linear.py``) leaves out what its neighbours in the graph cost it or save
-it. Columns: us per chain, ``cuBLAS/ours``, ``ours/fused`` and ``fused/block``, and each
-variant's largest error against the reference relative to its row's RMS. On CPU (``--smoke``,
+it. Columns: us per chain, ``cuBLAS/ours``, ``ours/fused``, ``fused/block`` and
+``fused/pf`` (over ``prefetch``), and each variant's largest error against the reference
+relative to its row's RMS. On CPU (``--smoke``,
 ``TRITON_INTERPRET=1``) it only checks that the chain runs. Before the thirty-first session the
 chain had no query norm and rotary embedding: its earlier figures are not comparable.
 """
@@ -55,8 +57,14 @@ from gemma4_spec.ops.small_linear import (  # noqa: E402
 # (hidden, MLP width, query width per layer, backbone): the E2B assistant; a small one for CPU.
 CHAIN = (256, 2048, (2048, 2048, 2048, 4096), 1536)
 SMOKE_CHAIN = (64, 80, (96, 96, 96, 128), 48)
-VARIANTS = ("cuBLAS", "ours", "ours fused", "block", "staged", "reference")
-BLOCK_VARIANTS = ("block", "staged")
+VARIANTS = ("cuBLAS", "ours", "ours fused", "block", "prefetch", "staged", "reference")
+# The block variants' launch options: persistent, persistent with the weights of the stages after
+# a barrier loaded before it, and a launch a stage.
+BLOCK_VARIANTS = {
+    "block": {"prefetch": False},
+    "prefetch": {"prefetch": True},
+    "staged": {"staged": True, "prefetch": False},
+}
 HEADS = 8
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -133,11 +141,11 @@ def block_chain(
     layers: list[dict[str, torch.Tensor]],
     head: dict[str, torch.Tensor],
     norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    staged: bool,
+    options: dict[str, bool],
 ) -> torch.Tensor:
     """``chain`` with ``ours fused``'s query projection and rotation, and each layer's work
-    from the output projection to the next input norm in ``draft_mlp_block`` (``staged``: as
-    five launches)."""
+    from the output projection to the next input norm in ``draft_mlp_block`` (launched with
+    ``options``: ``BLOCK_VARIANTS``)."""
     x = norm(h, layers[0]["input_norm"])
     for idx, w in enumerate(layers):
         head_dim = w["q_norm"].shape[0]
@@ -147,7 +155,7 @@ def block_chain(
             w["o"], w["gate_up"], w["down"], w["post_attn_norm"], w["pre_mlp_norm"],
             w["post_mlp_norm"], pre, w["layer_scalar"],
         )  # fmt: skip
-        h, x = draft_mlp_block_kernel(q, h, block, EPS, staged=staged)
+        h, x = draft_mlp_block_kernel(q, h, block, EPS, **options)
     return small_linear(x, head["post"])
 
 
@@ -207,7 +215,7 @@ def main() -> None:
     print(f"draft layer chain, {len(layers)} layers ({dtype}): us per chain")
     print(f"{'T':>3s} " + " ".join(f"{v:>10s}" for v in variants)
           + f" {'cuBLAS/ours':>11s} {'ours/fused':>10s} "
-          + (f"{'fused/block':>11s} " if "block" in variants else "")
+          + (f"{'fused/block':>11s} {'fused/pf':>8s} " if "block" in variants else "")
           + " ".join(f"{'err ' + v:>14s}" for v in variants if v != "reference"))  # fmt: skip
     gen = torch.Generator().manual_seed(2)
     rows = []
@@ -222,8 +230,8 @@ def main() -> None:
         for v in BLOCK_VARIANTS:
             if v not in variants:
                 continue
-            fns[v] = lambda h=h, p=positions, staged=v == "staged": block_chain(
-                h, p, layers, head, ops["ours fused"].norm, staged
+            fns[v] = lambda h=h, p=positions, o=BLOCK_VARIANTS[v]: block_chain(
+                h, p, layers, head, ops["ours fused"].norm, o
             )
         fns["reference"] = lambda h=h, p=positions: chain(
             h.float(), p, layers32, head32, ops["reference"]
@@ -233,7 +241,8 @@ def main() -> None:
         us = {v: timed(fns[v]) for v in variants}
         print(f"{t:3d} " + " ".join(f"{us[v]:10.2f}" for v in variants)
               + f" {us['cuBLAS'] / us['ours']:11.2f} {us['ours'] / us['ours fused']:10.2f} "
-              + (f"{us['ours fused'] / us['block']:11.2f} " if "block" in us else "")
+              + (f"{us['ours fused'] / us['block']:11.2f} "
+                 f"{us['ours fused'] / us['prefetch']:8.2f} " if "block" in us else "")
               + " ".join(f"{errors[v]:14.4f}" for v in errors))  # fmt: skip
         rows.append({"tokens": t, "us": us, "errors": errors})
     if args.json:

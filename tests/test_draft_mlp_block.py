@@ -36,8 +36,12 @@ needs_cuda = pytest.mark.skipif(
 EPS = 1e-6
 # (rows, hidden H, attention width Q, MLP width I): the output projection split over K (under
 # the interpreter's 4 "SMs"); the down projection split; H not a power of two and I not a
-# multiple of the column tile; the most rows the kernel takes.
-SMALL_SHAPES = ((1, 32, 512, 320), (3, 16, 300, 600), (17, 48, 200, 72), (64, 32, 130, 40))
+# multiple of the column tile; the most rows the kernel takes; the down projection split into
+# runs short enough to prefetch, and unsplit but short enough.
+SMALL_SHAPES = (
+    (1, 32, 512, 320), (3, 16, 300, 600), (17, 48, 200, 72), (64, 32, 130, 40),
+    (4, 16, 256, 512), (5, 32, 512, 256),
+)  # fmt: skip
 # The E2B assistant: H 256, Q 2048 (sliding layers) or 4096 (full), I 2048.
 ASSISTANT_SHAPES = ((256, 2048, 2048), (256, 4096, 2048))
 # Rounding steps allowed in bfloat16: the block rounds about ten intermediates.
@@ -79,22 +83,31 @@ def _assert_close(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) 
 
 def _check_block_against_reference(device: str) -> None:
     from gemma4_spec.ops.device_counters import counters_of
-    from gemma4_spec.ops.draft_mlp_block_triton import block_config, draft_mlp_block_kernel
+    from gemma4_spec.ops.draft_mlp_block_triton import (
+        BLOCK_K,
+        block_config,
+        draft_mlp_block_kernel,
+        prefetch_fits,
+    )
 
-    splits_seen = set()
+    seen = set()
     for dtype in (torch.float32, torch.bfloat16):
         for rows, hidden, depth, width in SMALL_SHAPES:
             attn, h, w = _operands(rows, hidden, depth, width, dtype, device, seed=rows)
             cfg = block_config(rows, hidden, depth, width, attn.device)
-            splits_seen |= {"o"} if cfg.o_splits > 1 else set()
-            splits_seen |= {"down"} if cfg.d_splits > 1 else set()
-            staged = draft_mlp_block_kernel(attn, h, w, EPS)
-            _assert_close(staged, draft_mlp_block_reference(attn, h, w, EPS))
-            # One program through every stage and barrier: the same sums in the same order.
-            persistent = draft_mlp_block_kernel(attn, h, w, EPS, programs=1)
-            for got, want in zip(persistent, staged, strict=True):
-                assert torch.equal(got, want), "the persistent form differs from the staged"
-    assert splits_seen == {"o", "down"}, f"projections split: {splits_seen}"
+            seen |= {"o split"} if cfg.o_splits > 1 else set()
+            seen |= {"down split"} if cfg.d_splits > 1 else set()
+            fits = prefetch_fits(hidden, cfg.d_steps * BLOCK_K)
+            seen |= {"prefetch"} if fits else set()
+            want = draft_mlp_block_reference(attn, h, w, EPS)
+            for prefetch in (False, True) if fits else (False,):
+                staged = draft_mlp_block_kernel(attn, h, w, EPS, prefetch=prefetch)
+                _assert_close(staged, want)
+                # One program through every stage and barrier: the same sums in the same order.
+                persistent = draft_mlp_block_kernel(attn, h, w, EPS, programs=1, prefetch=prefetch)
+                for got, same in zip(persistent, staged, strict=True):
+                    assert torch.equal(got, same), "the persistent form differs from the staged"
+    assert seen == {"o split", "down split", "prefetch"}, f"seen: {seen}"
     # The custom op runs the kernel where it applies (here: the interpreter's CPU tensors).
     attn, h, w = _operands(3, 32, 512, 320, torch.bfloat16, device)
     assert draft_mlp_block_applies(attn, h, w)
@@ -149,6 +162,14 @@ def test_the_block_is_opt_in_and_cuda_only(set_env) -> None:  # type: ignore[no-
         assert not uses_draft_block("cuda", 1, tanh, True)
 
 
+def test_prefetch_that_does_not_fit_is_an_error() -> None:
+    from gemma4_spec.ops.draft_mlp_block_triton import draft_mlp_block_kernel
+
+    attn, h, w = _operands(2, 512, 32, 32, torch.float32, "cpu")  # a 512-wide gate/up tile
+    with pytest.raises(ValueError, match="prefetch"):
+        draft_mlp_block_kernel(attn, h, w, EPS, prefetch=True)
+
+
 def test_too_many_rows_is_an_error() -> None:
     from gemma4_spec.ops.draft_mlp_block_triton import MAX_ROWS, draft_mlp_block_kernel
 
@@ -181,11 +202,13 @@ def test_assistant_shapes_cuda(rows: int, dtype: torch.dtype) -> None:
 
     for hidden, depth, width in ASSISTANT_SHAPES:
         attn, h, w = _operands(rows, hidden, depth, width, dtype, "cuda", seed=rows)
-        persistent = draft_mlp_block_kernel(attn, h, w, EPS)
-        _assert_close(persistent, draft_mlp_block_reference(attn, h, w, EPS))
-        staged = draft_mlp_block_kernel(attn, h, w, EPS, staged=True)
-        for got, want in zip(persistent, staged, strict=True):
-            assert torch.equal(got, want), "the persistent form differs from the staged"
+        want = draft_mlp_block_reference(attn, h, w, EPS)
+        for prefetch in (False, True):  # both fit the assistant's shapes on a GPU
+            persistent = draft_mlp_block_kernel(attn, h, w, EPS, prefetch=prefetch)
+            _assert_close(persistent, want)
+            staged = draft_mlp_block_kernel(attn, h, w, EPS, staged=True, prefetch=prefetch)
+            for got, same in zip(persistent, staged, strict=True):
+                assert torch.equal(got, same), "the persistent form differs from the staged"
     for counters in counters_of("draft_mlp_block"):
         assert not counters.any(), counters.tolist()
 

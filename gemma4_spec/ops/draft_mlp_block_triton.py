@@ -23,6 +23,11 @@ counters back to zero for the next launch or graph replay. With ``staged`` (and 
 Triton's CPU interpreter, which runs programs one after another, so a barrier of more than one
 program never opens) each stage is a launch of its own and no barrier runs.
 
+``PREFETCH`` (where a program's tiles fit its registers, ``prefetch_fits``): a program loads
+its first gate/up tile before the first barrier and its first down tile before the third, whole
+along their K runs, so the weights' trip from memory overlaps the barriers (weights do not
+depend on the stages before); stages 2 and 3 then take each tile's K run in one ``tl.dot``.
+
 Rows: up to ``MAX_ROWS`` (one row tile of ``tl.dot``). Caveat, as for the centroid kernel's
 persistent form: a kernel on another stream holding SMs while this one waits at a barrier would
 deadlock it; nothing in a draft step runs beside it.
@@ -53,6 +58,7 @@ if HAS_TRITON:
 
 MAX_ROWS = MAX_BLOCK_T
 BLOCK_N = 16  # output columns a tile, as small_linear's for widths up to 4096
+MAX_PREFETCH_K = 256  # the longest K run a prefetched weight tile spans (registers)
 STAGES = 5
 _BARRIERS = STAGES - 1  # counters 0-3: the barriers; 4: the finish counter
 COUNTER_OWNER = "draft_mlp_block"
@@ -147,6 +153,40 @@ if HAS_TRITON:
             tl.store(part_ptr + (s * T + offs_t[None, :]) * N + offs_n[:, None], acc, mask=ok)
 
     @triton.jit
+    def _weight_run(w_ptr, stride_w, tile, N, k0, K, BLOCK_N: tl.constexpr, RUN: tl.constexpr):
+        """Columns ``tile`` of a weight over ``RUN`` of K from ``k0``: ``[BLOCK_N, RUN]``."""
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = k0 + tl.arange(0, RUN)
+        ok = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+        at = w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :]
+        return tl.load(at, mask=ok, other=0.0)
+
+    @triton.jit
+    def _run_product(
+        w,
+        x_ptr,
+        stride_x,
+        T,
+        k0,
+        K,
+        BLOCK_T: tl.constexpr,
+        RUN: tl.constexpr,
+        PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr,
+    ):
+        """``w [BLOCK_N, RUN] @ x[:, k0:k0 + RUN]^T`` in float32, ``x`` written by this launch
+        (read through L2)."""
+        offs_t = tl.arange(0, BLOCK_T)
+        offs_k = k0 + tl.arange(0, RUN)
+        ok = (offs_t < T)[:, None] & (offs_k < K)[None, :]
+        at = x_ptr + offs_t.to(tl.int64)[:, None] * stride_x + offs_k[None, :]
+        x = tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+        if UPCAST:  # Triton's CPU interpreter mis-multiplies bfloat16 in tl.dot
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+        return tl.dot(w, tl.trans(x), input_precision=PRECISION)
+
+    @triton.jit
     def _rms(v, gain_ptr, offs, ok, H, eps):
         """``v / sqrt(mean(v^2) + eps) * gain`` of one row (zero past ``H``), float32."""
         mean = tl.sum(v * v, axis=0) / H
@@ -203,6 +243,8 @@ if HAS_TRITON:
         FIRST: tl.constexpr,  # the stages this launch runs, FIRST..LAST
         LAST: tl.constexpr,
         BARRIERS: tl.constexpr,  # grid barriers between the stages (one launch for all)
+        PREFETCH: tl.constexpr,  # load stages 2 and 3's first weights before their barriers
+        D_RUN: tl.constexpr,  # D_STEPS * BLOCK_K (PREFETCH: the down projection's K run)
     ):
         pid = tl.program_id(0)
         dtype = h_out_ptr.dtype.element_ty
@@ -213,6 +255,11 @@ if HAS_TRITON:
                 attn_ptr, stride_attn, wo_ptr, Q, part_ptr, T, H, Q, pid, P, O_SPLITS, O_STEPS,
                 BLOCK_T, BLOCK_N, BLOCK_K, PRECISION, UPCAST, False,
             )  # fmt: skip
+        if PREFETCH and FIRST <= 2 and LAST >= 2:
+            # This program's first gate/up tile, whole along K, in flight during the barriers
+            # and stage 1 (weights do not depend on them).
+            wg0 = _weight_run(wgu_ptr, H, pid, W, 0, H, BLOCK_N, BLOCK_H)
+            wu0 = _weight_run(wgu_ptr + W * H, H, pid, W, 0, H, BLOCK_N, BLOCK_H)
         if BARRIERS:
             _grid_barrier(bar_ptr + 0, P)
         if FIRST <= 1 and LAST >= 1:
@@ -228,14 +275,24 @@ if HAS_TRITON:
             _grid_barrier(bar_ptr + 1, P)
         if FIRST <= 2 and LAST >= 2:
             for tile in range(pid, tl.cdiv(W, BLOCK_N), P):
-                gate = _tile_product(
-                    x_ptr, H, wgu_ptr, H, T, W, H, tile, 0, tl.cdiv(H, BLOCK_K),
-                    BLOCK_T, BLOCK_N, BLOCK_K, PRECISION, UPCAST, True,
-                )  # fmt: skip
-                up = _tile_product(
-                    x_ptr, H, wgu_ptr + W * H, H, T, W, H, tile, 0, tl.cdiv(H, BLOCK_K),
-                    BLOCK_T, BLOCK_N, BLOCK_K, PRECISION, UPCAST, True,
-                )  # fmt: skip
+                if PREFETCH:
+                    if tile == pid:
+                        wg = wg0
+                        wu = wu0
+                    else:
+                        wg = _weight_run(wgu_ptr, H, tile, W, 0, H, BLOCK_N, BLOCK_H)
+                        wu = _weight_run(wgu_ptr + W * H, H, tile, W, 0, H, BLOCK_N, BLOCK_H)
+                    gate = _run_product(wg, x_ptr, H, T, 0, H, BLOCK_T, BLOCK_H, PRECISION, UPCAST)
+                    up = _run_product(wu, x_ptr, H, T, 0, H, BLOCK_T, BLOCK_H, PRECISION, UPCAST)
+                else:
+                    gate = _tile_product(
+                        x_ptr, H, wgu_ptr, H, T, W, H, tile, 0, tl.cdiv(H, BLOCK_K),
+                        BLOCK_T, BLOCK_N, BLOCK_K, PRECISION, UPCAST, True,
+                    )  # fmt: skip
+                    up = _tile_product(
+                        x_ptr, H, wgu_ptr + W * H, H, T, W, H, tile, 0, tl.cdiv(H, BLOCK_K),
+                        BLOCK_T, BLOCK_N, BLOCK_K, PRECISION, UPCAST, True,
+                    )  # fmt: skip
                 gate = gate.to(dtype).to(tl.float32)
                 up = up.to(dtype).to(tl.float32)
                 offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -243,13 +300,32 @@ if HAS_TRITON:
                 ok = (offs_n < W)[:, None] & (offs_t < T)[None, :]
                 m = (_gelu_tanh(gate) * up).to(dtype)
                 tl.store(m_ptr + offs_t[None, :] * W + offs_n[:, None], m, mask=ok)
+        h_tiles = tl.cdiv(H, BLOCK_N)
+        if PREFETCH and FIRST <= 3 and LAST >= 3:  # the first down item's weights, as above
+            first_k = (pid // h_tiles) * D_RUN
+            wd0 = _weight_run(wd_ptr, W, pid % h_tiles, H, first_k, W, BLOCK_N, D_RUN)
         if BARRIERS:
             _grid_barrier(bar_ptr + 2, P)
         if FIRST <= 3 and LAST >= 3:
-            _split_product(
-                m_ptr, W, wd_ptr, W, part_ptr, T, H, W, pid, P, D_SPLITS, D_STEPS,
-                BLOCK_T, BLOCK_N, BLOCK_K, PRECISION, UPCAST, True,
-            )  # fmt: skip
+            if PREFETCH:
+                for item in range(pid, h_tiles * D_SPLITS, P):
+                    tile = item % h_tiles
+                    k0 = (item // h_tiles) * D_RUN
+                    if item == pid:
+                        wd = wd0
+                    else:
+                        wd = _weight_run(wd_ptr, W, tile, H, k0, W, BLOCK_N, D_RUN)
+                    acc = _run_product(wd, m_ptr, W, T, k0, W, BLOCK_T, D_RUN, PRECISION, UPCAST)
+                    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+                    offs_t = tl.arange(0, BLOCK_T)
+                    ok = (offs_n < H)[:, None] & (offs_t < T)[None, :]
+                    at = part_ptr + ((item // h_tiles) * T + offs_t[None, :]) * H + offs_n[:, None]
+                    tl.store(at, acc, mask=ok)
+            else:
+                _split_product(
+                    m_ptr, W, wd_ptr, W, part_ptr, T, H, W, pid, P, D_SPLITS, D_STEPS,
+                    BLOCK_T, BLOCK_N, BLOCK_K, PRECISION, UPCAST, True,
+                )  # fmt: skip
         if BARRIERS:
             _grid_barrier(bar_ptr + 3, P)
         if FIRST <= 4 and LAST >= 4:
@@ -300,6 +376,12 @@ def block_config(
     return BlockConfig(block_t, o_splits, o_steps, d_splits, d_steps, programs)
 
 
+def prefetch_fits(hidden: int, down_run: int) -> bool:
+    """Whether a program can hold its first gate/up tile (``BLOCK_N`` by the hidden width, both
+    halves) and down tile (``BLOCK_N`` by its K run) in registers: up to ``MAX_PREFETCH_K``."""
+    return triton.next_power_of_2(hidden) <= MAX_PREFETCH_K and down_run <= MAX_PREFETCH_K
+
+
 def draft_mlp_block_kernel(
     attn: torch.Tensor,
     h: torch.Tensor,
@@ -307,10 +389,13 @@ def draft_mlp_block_kernel(
     eps: float,
     staged: bool = False,
     programs: int | None = None,
+    prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h2, x')`` of ``draft_mlp_block_reference`` in one launch (``staged``: five, without
     barriers; always five under the interpreter unless ``programs`` is 1). Operands contiguous
-    along their last dimension, ``T <= MAX_ROWS``; ``programs`` overrides the grid (tests)."""
+    along their last dimension, ``T <= MAX_ROWS``; ``programs`` overrides the grid (tests).
+    ``prefetch`` (default: where ``prefetch_fits``) loads stages 2 and 3's first weights before
+    their barriers."""
     rows, depth = attn.shape
     hidden = h.shape[1]
     width = w.down.shape[1]
@@ -334,6 +419,11 @@ def draft_mlp_block_kernel(
     m = torch.empty(rows, width, dtype=h.dtype, device=h.device)
     counters = prepare_draft_mlp_block(h.device)
     precision, upcast = _dot_precision(h)
+    d_run = cfg.d_steps * BLOCK_K
+    fits = prefetch_fits(hidden, d_run)
+    if prefetch and not fits:
+        raise ValueError(f"draft_mlp_block: no prefetch for hidden {hidden}, K run {d_run}")
+    prefetch = fits if prefetch is None else prefetch
     launches = (
         [(s, s) for s in range(STAGES)]
         if staged or (_interpreting() and p > 1)
@@ -347,6 +437,7 @@ def draft_mlp_block_kernel(
             attn.stride(0), h.stride(0), eps, p, cfg.o_splits, cfg.o_steps, cfg.d_splits,
             cfg.d_steps, BLOCK_T=cfg.block_t, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
             BLOCK_H=triton.next_power_of_2(hidden), PRECISION=precision, UPCAST=upcast,
-            FIRST=first, LAST=last, BARRIERS=first != last, num_warps=4, num_stages=3,
+            FIRST=first, LAST=last, BARRIERS=first != last, PREFETCH=prefetch, D_RUN=d_run,
+            num_warps=4, num_stages=3,
         )  # fmt: skip
     return h_out, x_out
