@@ -30,7 +30,8 @@ depend on the stages before); stages 2 and 3 then take each tile's K run in one 
 
 Rows: up to ``MAX_ROWS`` (one row tile of ``tl.dot``). Caveat, as for the centroid kernel's
 persistent form: a kernel on another stream holding SMs while this one waits at a barrier would
-deadlock it; nothing in a draft step runs beside it.
+deadlock it (nothing in a draft step runs beside it), and so would a share of the SMs smaller
+than the device's count (CUDA MPS with an SM limit).
 """
 
 from __future__ import annotations
