@@ -162,6 +162,56 @@ def test_the_block_is_opt_in_and_cuda_only(set_env) -> None:  # type: ignore[no-
         assert not uses_draft_block("cuda", 1, tanh, True)
 
 
+def _hopper_compiler():  # type: ignore[no-untyped-def]
+    """Triton's compiler and an sm_90 target, or None where its CUDA backend is missing."""
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+    except ImportError:
+        return None
+    return triton.compile, ASTSource, GPUTarget("cuda", 90, 32)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("form", ["persistent", "prefetch", "staged"])
+def test_kernel_compiles_for_hopper_without_a_gpu(form: str, dtype: str) -> None:
+    """The interpreter runs Python, not the compiler: this compiles the kernel to an H100's
+    code (ptxas included) with the assistant's sizes, so that a construct the compiler rejects
+    shows before a GPU session does."""
+    found = _hopper_compiler()
+    if found is None:
+        pytest.skip("triton has no CUDA backend here")
+    compile_, source, target = found
+    from gemma4_spec.ops.draft_mlp_block_triton import BLOCK_K, BLOCK_N, _mlp_block_kernel
+
+    kernel = _mlp_block_kernel
+    constants = {
+        "BLOCK_T": 16, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K, "BLOCK_H": 256,
+        "PRECISION": "ieee" if dtype == "fp32" else "tf32", "UPCAST": False,
+        "FIRST": 0, "LAST": 4, "BARRIERS": True, "PREFETCH": form == "prefetch", "D_RUN": 256,
+    }  # fmt: skip
+    stages = [(s, s) for s in range(5)] if form == "staged" else [(0, 4)]
+    for first, last in stages:
+        constants.update(FIRST=first, LAST=last, BARRIERS=first != last)
+        signature = {}
+        for name in kernel.arg_names:
+            if name in constants:
+                signature[name] = "constexpr"
+            elif name == "part_ptr":
+                signature[name] = "*fp32"
+            elif name == "bar_ptr":
+                signature[name] = "*i32"
+            elif name.endswith("_ptr"):
+                signature[name] = "*" + dtype
+            else:
+                signature[name] = "fp32" if name == "eps" else "i32"
+        fixed = {(kernel.arg_names.index(k),): v for k, v in constants.items()}
+        compiled = compile_(source(fn=kernel, signature=signature, constexprs=fixed), target=target)
+        assert compiled.asm.get("cubin"), "no H100 code"
+
+
 def test_prefetch_that_does_not_fit_is_an_error() -> None:
     from gemma4_spec.ops.draft_mlp_block_triton import draft_mlp_block_kernel
 
