@@ -6,7 +6,8 @@ matmul and activation in one launch, ``small_linear_gelu_and_mul``, and the quer
 rotary embedding in one, ``q_norm_rope``), the fused form with each layer's work from the
 output projection to the next layer's input norm in one persistent launch (``block``:
 ``ops/draft_mlp_block*.py``, grid barriers between its five stages; ``prefetch``: with the
-first weights of the stages after a barrier loaded before it) and the same kernel as five
+first weights of the stages after a barrier loaded before it; ``pf 64``, ``pf 32``: that with
+64 / 32 programs instead of one per item of the largest stage) and the same kernel as five
 launches without barriers (``staged``: what the barriers are worth against launches), and the
 float32 reference.
 
@@ -34,7 +35,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -57,12 +58,18 @@ from gemma4_spec.ops.small_linear import (  # noqa: E402
 # (hidden, MLP width, query width per layer, backbone): the E2B assistant; a small one for CPU.
 CHAIN = (256, 2048, (2048, 2048, 2048, 4096), 1536)
 SMOKE_CHAIN = (64, 80, (96, 96, 96, 128), 48)
-VARIANTS = ("cuBLAS", "ours", "ours fused", "block", "prefetch", "staged", "reference")
+VARIANTS = (
+    "cuBLAS", "ours", "ours fused", "block", "prefetch", "pf 64", "pf 32", "staged", "reference",
+)  # fmt: skip
 # The block variants' launch options: persistent, persistent with the weights of the stages after
-# a barrier loaded before it, and a launch a stage.
-BLOCK_VARIANTS = {
+# a barrier loaded before it (with as many programs as the largest stage has items, at most one
+# per SM, or with 64 / 32: fewer programs wait at each barrier, each doing more items), and a
+# launch a stage.
+BLOCK_VARIANTS: dict[str, dict[str, Any]] = {
     "block": {"prefetch": False},
     "prefetch": {"prefetch": True},
+    "pf 64": {"prefetch": True, "programs": 64},
+    "pf 32": {"prefetch": True, "programs": 32},
     "staged": {"staged": True, "prefetch": False},
 }
 HEADS = 8
@@ -141,7 +148,7 @@ def block_chain(
     layers: list[dict[str, torch.Tensor]],
     head: dict[str, torch.Tensor],
     norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    options: dict[str, bool],
+    options: dict[str, Any],
 ) -> torch.Tensor:
     """``chain`` with ``ours fused``'s query projection and rotation, and each layer's work
     from the output projection to the next input norm in ``draft_mlp_block`` (launched with
