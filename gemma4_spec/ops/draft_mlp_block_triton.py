@@ -412,7 +412,8 @@ def draft_mlp_block_kernel(
     if rows == 0:
         return h_out, x_out
     cfg = block_config(rows, hidden, depth, width, attn.device)
-    p = programs or cfg.programs
+    # never more programs than SMs: all of them must be resident for the barriers to open
+    p = min(programs or cfg.programs, sm_count(attn.device, INTERPRET_SMS))
     splits = max(cfg.o_splits, cfg.d_splits)
     part = torch.empty(splits, rows, hidden, dtype=torch.float32, device=h.device)
     h1 = torch.empty_like(h)
