@@ -69,8 +69,7 @@ def draft_mlp_block_reference(
     a = attn.float() @ w.o_proj.float().t()
     h1 = h.float() + _rms(a, w.post_attention_norm, eps)
     x = _rms(h1, w.pre_feedforward_norm, eps)
-    gate, up = (x @ w.gate_up.float().t()).chunk(2, dim=-1)
-    m = nn.functional.gelu(gate, approximate="tanh") * up
+    m = gelu_and_mul_formula(x @ w.gate_up.float().t())  # float32 in, float32 out
     d = m @ w.down.float().t()
     h2 = (h1 + _rms(d, w.post_feedforward_norm, eps)) * w.layer_scalar.float()
     x_next = _rms(h2, w.next_norm, eps)

@@ -48,7 +48,13 @@ from gemma4_spec.ops.centroid_argmax_triton import (
 )
 from gemma4_spec.ops.device_counters import device_counters
 from gemma4_spec.ops.draft_mlp_block import MlpBlockWeights
-from gemma4_spec.ops.small_linear_triton import BLOCK_K, INTERPRET_SMS, MAX_BLOCK_T, k_splits
+from gemma4_spec.ops.small_linear_triton import (
+    BLOCK_K,
+    INTERPRET_SMS,
+    MAX_BLOCK_T,
+    k_splits,
+    row_block,
+)
 
 if HAS_TRITON:
     import triton
@@ -372,9 +378,8 @@ def block_config(
     o_splits, o_steps = k_splits(triton.cdiv(depth, BLOCK_K), tiles, device)
     d_splits, d_steps = k_splits(triton.cdiv(width, BLOCK_K), tiles, device)
     items = max(tiles * o_splits, tiles * d_splits, triton.cdiv(width, BLOCK_N), rows)
-    block_t = min(MAX_ROWS, max(16, triton.next_power_of_2(rows)))
     programs = min(items, sm_count(device, INTERPRET_SMS))
-    return BlockConfig(block_t, o_splits, o_steps, d_splits, d_steps, programs)
+    return BlockConfig(row_block(rows), o_splits, o_steps, d_splits, d_steps, programs)
 
 
 def prefetch_fits(hidden: int, down_run: int) -> bool:

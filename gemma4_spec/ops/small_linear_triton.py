@@ -84,13 +84,19 @@ def _with_splits(
 ) -> SmallLinearConfig:
     """One row tile up to ``MAX_BLOCK_T`` rows, ``BLOCK_K`` of K a step, and splits over K
     where the tiles leave SMs idle (module docstring)."""
-    block_t = min(MAX_BLOCK_T, max(16, triton.next_power_of_2(rows)))
+    block_t = row_block(rows)
     block_k = min(BLOCK_K, max(16, triton.next_power_of_2(depth)))
     tiles = triton.cdiv(columns, block_n) * triton.cdiv(rows, block_t)
     splits, per_split = k_splits(triton.cdiv(depth, block_k), tiles, device)
     return SmallLinearConfig(
         block_t, block_n, block_k, splits, per_split, num_warps=4, num_stages=num_stages
     )
+
+
+def row_block(rows: int) -> int:
+    """The row tile for ``rows`` rows: the next power of two from 16 (``tl.dot``'s smallest
+    side) to ``MAX_BLOCK_T``."""
+    return min(MAX_BLOCK_T, max(16, triton.next_power_of_2(rows)))
 
 
 def k_splits(steps: int, tiles: int, device: torch.device) -> tuple[int, int]:
