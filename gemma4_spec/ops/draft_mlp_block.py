@@ -94,24 +94,38 @@ def draft_mlp_block_unfused(
     return h2, norm(h2, w.next_norm)
 
 
-def draft_mlp_block_applies(attn: torch.Tensor, h: torch.Tensor, w: MlpBlockWeights) -> bool:
-    """Whether ``draft_mlp_block`` runs the kernel for these operands (else the unfused ops)."""
+def block_operands_problem(attn: torch.Tensor, h: torch.Tensor, w: MlpBlockWeights) -> str | None:
+    """What keeps ``draft_mlp_block_kernel`` from these operands, or None: the rows it takes,
+    the shapes the weights must have, contiguity."""
     from gemma4_spec.ops.draft_mlp_block_triton import MAX_ROWS
 
-    rows = attn.shape[0] if attn.dim() == 2 else -1
-    hidden = h.shape[-1]
-    width = w.down.shape[-1]
+    if attn.dim() != 2 or h.dim() != 2 or h.shape[0] != attn.shape[0]:
+        return "the attention output and the residual must be [rows, width] with equal rows"
+    rows, hidden, width = attn.shape[0], h.shape[1], w.down.shape[-1]
+    if rows > MAX_ROWS:
+        return f"{rows} rows, the kernel takes up to {MAX_ROWS}"
+    if (
+        w.o_proj.shape != (hidden, attn.shape[1])
+        or w.gate_up.shape != (2 * width, hidden)
+        or w.down.shape != (hidden, width)
+    ):
+        return "the projections' shapes do not match the attention output and the residual"
+    if attn.stride(-1) != 1 or h.stride(-1) != 1 or not all(t.is_contiguous() for t in w):
+        return (
+            "the rows of the attention output and the residual, and every weight, must be "
+            "contiguous (.contiguous() them)"
+        )
+    return None
+
+
+def draft_mlp_block_applies(attn: torch.Tensor, h: torch.Tensor, w: MlpBlockWeights) -> bool:
+    """Whether ``draft_mlp_block`` runs the kernel for these operands (else the unfused ops)."""
     return (
         triton_usable(attn.device)
-        and h.dim() == 2
-        and 0 < rows <= MAX_ROWS
-        and h.shape[0] == rows
-        and attn.stride(-1) == 1
-        and h.stride(-1) == 1
-        and w.o_proj.shape == (hidden, attn.shape[1])
-        and w.gate_up.shape == (2 * width, hidden)
-        and w.down.shape == (hidden, width)
-        and all(t.is_contiguous() and t.device == attn.device for t in w)
+        and attn.dim() == 2
+        and attn.shape[0] > 0
+        and all(t.device == attn.device for t in (h, *w))
+        and block_operands_problem(attn, h, w) is None
     )
 
 

@@ -47,7 +47,7 @@ from gemma4_spec.ops.centroid_argmax_triton import (
     sm_count,
 )
 from gemma4_spec.ops.device_counters import device_counters
-from gemma4_spec.ops.draft_mlp_block import MlpBlockWeights
+from gemma4_spec.ops.draft_mlp_block import MlpBlockWeights, block_operands_problem
 from gemma4_spec.ops.small_linear_triton import (
     BLOCK_K,
     INTERPRET_SMS,
@@ -399,19 +399,16 @@ def draft_mlp_block_kernel(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h2, x')`` of ``draft_mlp_block_reference`` in one launch (``staged``: five, without
     barriers; always five under the interpreter unless ``programs`` is 1). Operands contiguous
-    along their last dimension, ``T <= MAX_ROWS``; ``programs`` overrides the grid (tests).
+    along their last dimension, ``T <= MAX_ROWS`` (``block_operands_problem``); ``programs``
+    overrides the grid (tests).
     ``prefetch`` (default: where ``prefetch_fits``) loads stages 2 and 3's first weights before
     their barriers."""
+    problem = block_operands_problem(attn, h, w)
+    if problem is not None:
+        raise ValueError(f"draft_mlp_block: {problem}")
     rows, depth = attn.shape
     hidden = h.shape[1]
     width = w.down.shape[1]
-    if rows > MAX_ROWS:
-        raise ValueError(f"draft_mlp_block: {rows} rows, the kernel takes up to {MAX_ROWS}")
-    if attn.stride(-1) != 1 or h.stride(-1) != 1 or not all(t.is_contiguous() for t in w):
-        raise ValueError(
-            "draft_mlp_block: the rows of the attention output and the residual, and every "
-            "weight, must be contiguous (.contiguous() them)"
-        )
     h_out = torch.empty_like(h)
     x_out = torch.empty_like(h)
     if rows == 0:
