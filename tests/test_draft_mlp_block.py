@@ -265,6 +265,16 @@ def test_assistant_shapes_cuda(rows: int, dtype: torch.dtype) -> None:
 
 
 @needs_cuda
+def test_counters_are_one_set_however_the_device_is_named_cuda() -> None:
+    """The model makes the counters from vLLM's device config ("cuda"), the kernel asks for
+    them by its tensors' device ("cuda:0"): the same counters."""
+    from gemma4_spec.ops.draft_mlp_block_triton import prepare_draft_mlp_block
+
+    indexed = torch.device("cuda", torch.cuda.current_device())
+    assert prepare_draft_mlp_block("cuda") is prepare_draft_mlp_block(indexed)
+
+
+@needs_cuda
 def test_graph_replay_cuda() -> None:
     """Captured once, replayed over new inputs: the replay's outputs are the eager call's."""
     from gemma4_spec.ops.draft_mlp_block_triton import draft_mlp_block_kernel

@@ -323,6 +323,10 @@ class Gemma4AssistantForDrafting(nn.Module):
             text_config.hidden_activation,
             bool(getattr(text_config, "attention_bias", False)),
         )
+        if self.fused_block:  # its counters, before any graph capture
+            from gemma4_spec.ops.draft_mlp_block_triton import prepare_draft_mlp_block
+
+            prepare_draft_mlp_block(vllm_config.device_config.device)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.model.embed_tokens is None:
@@ -436,10 +440,6 @@ class Gemma4AssistantForDrafting(nn.Module):
                         "is not a gemma4_assistant checkpoint of a layout we know."
                     )
             loaded.add(name)
-        if self.fused_block:  # the block's counters on the weights' own device, before capture
-            from gemma4_spec.ops.draft_mlp_block_triton import prepare_draft_mlp_block
-
-            prepare_draft_mlp_block(self.lm_head.weight.device)
         return loaded
 
 

@@ -13,8 +13,12 @@ _COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
 
 
 def device_counters(owner: str, device: torch.device | str, capacity: int) -> torch.Tensor:
-    """``owner``'s ``capacity`` counters on ``device``, made on the first call."""
+    """``owner``'s ``capacity`` counters on ``device``, made on the first call. A CUDA device
+    named without an index (vLLM's device config says "cuda") is the current one, as a
+    tensor's device would name it: one set of counters whichever way the caller names it."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (owner, str(device))
     counters = _COUNTERS.get(key)
     if counters is None:
