@@ -24,9 +24,9 @@ L2 before each replay, CUDA events, the median of ``--reps``); the kernel isolat
 neighbours (``small_linear.py``) leaves out what its neighbours in the graph cost it or save
 it. Columns: us per chain, ``cuBLAS/ours``, ``ours/fused``, ``fused/block`` and
 ``fused/pf`` (over ``prefetch``), and each variant's largest error against the reference
-relative to its row's RMS. On CPU (``--smoke``,
-``TRITON_INTERPRET=1``) it only checks that the chain runs. Before the thirty-first session the
-chain had no query norm and rotary embedding: its earlier figures are not comparable.
+relative to its row's RMS. On CPU (``--smoke``, ``TRITON_INTERPRET=1``) it only checks that
+the chain runs. Before the thirty-first session the chain had no query norm and rotary
+embedding: its earlier figures are not comparable.
 """
 
 from __future__ import annotations

@@ -154,10 +154,15 @@ if HAS_TRITON:
                 x_ptr, stride_x, w_ptr, stride_w, T, N, K, tile, s * STEPS * BLOCK_K, STEPS,
                 BLOCK_T, BLOCK_N, BLOCK_K, PRECISION, UPCAST, X_FROM_L2,
             )  # fmt: skip
-            offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            offs_t = tl.arange(0, BLOCK_T)
-            ok = (offs_n < N)[:, None] & (offs_t < T)[None, :]
-            tl.store(part_ptr + (s * T + offs_t[None, :]) * N + offs_n[:, None], acc, mask=ok)
+            _store_partial(part_ptr, acc, s, tile, T, N, BLOCK_T, BLOCK_N)
+
+    @triton.jit
+    def _store_partial(part_ptr, acc, s, tile, T, N, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+        """A (tile, split) item's float32 ``[BLOCK_N, BLOCK_T]`` to ``part[s, row, column]``."""
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_t = tl.arange(0, BLOCK_T)
+        ok = (offs_n < N)[:, None] & (offs_t < T)[None, :]
+        tl.store(part_ptr + (s * T + offs_t[None, :]) * N + offs_n[:, None], acc, mask=ok)
 
     @triton.jit
     def _weight_run(w_ptr, stride_w, tile, N, k0, K, BLOCK_N: tl.constexpr, RUN: tl.constexpr):
@@ -323,11 +328,7 @@ if HAS_TRITON:
                     else:
                         wd = _weight_run(wd_ptr, W, tile, H, k0, W, BLOCK_N, D_RUN)
                     acc = _run_product(wd, m_ptr, W, T, k0, W, BLOCK_T, D_RUN, PRECISION, UPCAST)
-                    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-                    offs_t = tl.arange(0, BLOCK_T)
-                    ok = (offs_n < H)[:, None] & (offs_t < T)[None, :]
-                    at = part_ptr + ((item // h_tiles) * T + offs_t[None, :]) * H + offs_n[:, None]
-                    tl.store(at, acc, mask=ok)
+                    _store_partial(part_ptr, acc, item // h_tiles, tile, T, H, BLOCK_T, BLOCK_N)
             else:
                 _split_product(
                     m_ptr, W, wd_ptr, W, part_ptr, T, H, W, pid, P, D_SPLITS, D_STEPS,
