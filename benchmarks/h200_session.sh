@@ -100,7 +100,7 @@ chain)  # step 1's alternative, staging part00 as step 1 does
     stage_part00
     export PYTHONPATH=$PWD
     # the persistent block first, bounded: a barrier that never opens hangs its launch
-    timeout 120 python3 -m pytest -q tests/test_draft_mlp_block.py \
+    timeout "${BLOCK_TEST_TIMEOUT:-240}" python3 -m pytest -v --durations=12 tests/test_draft_mlp_block.py \
         > "$OUT/test_draft_mlp_block_cuda.log" 2>&1
     block_rc=$?; echo "draft MLP block tests rc=$block_rc"; tail -2 "$OUT/test_draft_mlp_block_cuda.log"
     timeout 200 python3 -m pytest -q tests/test_small_linear.py tests/test_q_norm_rope.py \

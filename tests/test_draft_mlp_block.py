@@ -244,9 +244,15 @@ def test_block_matches_reference_cuda_small() -> None:
     _check_block_against_reference("cuda")
 
 
+# Each case compiles the kernel up to twelve times (persistent and five staged launches, with and
+# without prefetch); float32 at 64 rows takes about 10 s a compile. The staged comparison runs
+# in bfloat16 only, so the whole file stays within the device step's limit.
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 3, 8, 16, 32, 64])
+@pytest.mark.parametrize(
+    ("rows", "dtype"),
+    [(1, torch.bfloat16), (3, torch.bfloat16), (16, torch.bfloat16), (64, torch.bfloat16),
+     (3, torch.float32), (64, torch.float32)],
+)  # fmt: skip
 def test_assistant_shapes_cuda(rows: int, dtype: torch.dtype) -> None:
     from gemma4_spec.ops.device_counters import counters_of
     from gemma4_spec.ops.draft_mlp_block_triton import draft_mlp_block_kernel
@@ -257,6 +263,8 @@ def test_assistant_shapes_cuda(rows: int, dtype: torch.dtype) -> None:
         for prefetch in (False, True):  # both fit the assistant's shapes on a GPU
             persistent = draft_mlp_block_kernel(attn, h, w, EPS, prefetch=prefetch)
             _assert_close(persistent, want)
+            if dtype == torch.float32:
+                continue
             staged = draft_mlp_block_kernel(attn, h, w, EPS, staged=True, prefetch=prefetch)
             for got, same in zip(persistent, staged, strict=True):
                 assert torch.equal(got, same), "the persistent form differs from the staged"
