@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 DEFAULT_WORKDIR = Path("runs/tiny")
+PASSES_HELP = "timed passes over the prompts, each engine; tokens/s is the median pass's"
 # What the input checks raise (a count below 1, a missing checkpoint, an assistant that does not
 # fit, a missing optional package): reported in one line with exit status 2, as argparse does
 # for a bad flag. Anything raised later is a defect and keeps its traceback.
@@ -37,6 +38,7 @@ def _demo(args: argparse.Namespace) -> int:
             k=args.k,
             num_prompts=len(problems) or args.num_prompts,  # the count asked, if it is bad
             max_tokens=args.max_tokens,
+            passes=args.passes,
         )
         check_config(config)
         if not problems:
@@ -89,6 +91,7 @@ def _report(args: argparse.Namespace) -> int:
         gsm8k=args.gsm8k,
         temperature=args.temperature,
         draft_method=args.draft_method,
+        passes=args.passes,
     )
     try:
         check_config(config)
@@ -171,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--num-prompts", type=int, default=4, help="first N GSM8k test questions")
     demo.add_argument("--max-tokens", type=int, default=128)
     demo.add_argument("--gsm8k", help="GSM8k folder (default: the copy shipped in the package)")
+    demo.add_argument("--passes", type=int, default=3, help=PASSES_HELP)
     demo.set_defaults(func=_demo)
 
     report = sub.add_parser(
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "--draft-method", choices=("greedy", "probabilistic"), default="greedy",
         help="vLLM's draft_sample_method",
     )  # fmt: skip
+    report.add_argument("--passes", type=int, default=3, help=PASSES_HELP)
     report.add_argument("--out", type=Path, default=Path("runs/report"), help="output folder")
     report.set_defaults(func=_report)
 

@@ -24,3 +24,5 @@ def test_demo_answers_a_gsm8k_question_and_reports_acceptance() -> None:
     assert rates is not None, out
     assert float(rates.group(1)) > 0, "the trained assistant had no draft accepted"
     assert re.search(r"^speed-up: [\d.]+x$", out, re.M), out
+    # each engine timed over three passes (the default), the median pass's figures shown
+    assert out.count("the median of 3 passes; passes ") == 2, out

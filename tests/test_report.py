@@ -12,7 +12,7 @@ import pytest
 from gemma4_spec.assets import tiny_gsm8k_pair
 from gemma4_spec.cli import main
 from gemma4_spec.metrics import SPEC_PREFIX, Acceptance
-from gemma4_spec.report import JSON_NAME, PNG_NAME, ReportConfig, check_config
+from gemma4_spec.report import JSON_NAME, PNG_NAME, ReportConfig, Timing, check_config
 from gemma4_spec.validation import AssistantMismatchError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -44,6 +44,18 @@ def test_acceptance_of_a_run_without_drafts() -> None:
     assert (acc.acceptance_rate, acc.mean_accepted_length) == (0.0, 1.0)
 
 
+def test_tokens_per_s_is_the_median_pass() -> None:
+    timing = Timing(tokens=[100, 100, 90], seconds=[1.0, 0.5, 1.5])  # 100, 200, 60 tokens/s
+    assert timing.rates == pytest.approx([100.0, 200.0, 60.0])
+    assert timing.tokens_per_s == pytest.approx(100.0)
+    assert timing.median_pass == 0
+    # an even count: the lower middle pass, so the rate is one a pass had
+    even = Timing(tokens=[10, 10, 10, 10], seconds=[1.0, 0.25, 0.5, 2.0])  # 10, 40, 20, 5
+    assert even.tokens_per_s == pytest.approx(10.0) and even.median_pass == 0
+    one = Timing(tokens=[30], seconds=[3.0])
+    assert (one.tokens_per_s, one.median_pass) == (pytest.approx(10.0), 0)
+
+
 def test_missing_assistant_is_rejected_before_any_engine(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -65,6 +77,9 @@ def test_missing_assistant_is_rejected_before_any_engine(
     assert "not a checkpoint folder" in refused("--assistant", "target/no-such-assistant")
     assert "k must be at least 1, not 0" in refused("--assistant", str(target), "--k", "0")
     assert "temperature must be 0" in refused("--assistant", str(target), "--temperature", "-0.5")
+    assert "passes must be at least 1, not 0" in refused(
+        "--assistant", str(target), "--passes", "0"
+    )
     with pytest.raises(SystemExit):  # argparse: not one of the draft methods
         main(["report", "--target", str(target), "--assistant", str(target)]
              + ["--draft-method", "sampled"])  # fmt: skip
@@ -93,7 +108,8 @@ def test_report_on_the_shipped_pair(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "gemma4_spec.cli", "report", "--k", str(k)]
         + ["--target", str(target), "--assistant", str(assistant)]
-        + ["--num-prompts", str(prompts), "--max-tokens", str(max_tokens), "--out", str(tmp_path)],
+        + ["--num-prompts", str(prompts), "--max-tokens", str(max_tokens), "--out", str(tmp_path)]
+        + ["--passes", "2"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -101,6 +117,7 @@ def test_report_on_the_shipped_pair(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "outputs identical with and without speculation: yes" in proc.stdout
     assert "speed-up:" in proc.stdout
+    assert proc.stdout.count("the median of 2 passes; passes ") == 2, proc.stdout
 
     data = json.loads((tmp_path / JSON_NAME).read_text())
     assert (data["k"], data["num_prompts"], data["max_tokens"]) == (k, prompts, max_tokens)
@@ -118,13 +135,19 @@ def test_report_on_the_shipped_pair(tmp_path: Path) -> None:
         1 + acc["num_accepted_tokens"] / acc["num_drafts"]
     )
     plain, spec = data["plain"], data["speculative"]
-    assert plain["tokens"] == spec["tokens"] > 0
+    assert len(plain["passes"]) == len(spec["passes"]) == 2
+    # greedy: every pass of both engines generates the same tokens
+    tokens = {p["tokens"] for run in (plain, spec) for p in run["passes"]}
+    assert len(tokens) == 1 and tokens.pop() > 0
     # Each speculative decode step emits its verified token plus the accepted drafts; only the
-    # prefill's first token of each prompt comes from a step without drafts.
-    assert spec["tokens"] <= acc["num_drafts"] + acc["num_accepted_tokens"] + prompts
+    # prefill's first token of each prompt comes from a step without drafts. The acceptance
+    # counts the first pass.
+    first = spec["passes"][0]["tokens"]
+    assert first <= acc["num_drafts"] + acc["num_accepted_tokens"] + prompts
     for run in (plain, spec):
-        assert run["seconds"] > 0
-        assert run["tokens_per_s"] == pytest.approx(run["tokens"] / run["seconds"])
+        rates = [p["tokens"] / p["seconds"] for p in run["passes"]]
+        assert all(p["seconds"] > 0 for p in run["passes"])
+        assert run["tokens_per_s"] == pytest.approx(min(rates))  # the lower middle of two
     assert data["speedup"] == pytest.approx(spec["tokens_per_s"] / plain["tokens_per_s"])
 
     png = tmp_path / PNG_NAME
