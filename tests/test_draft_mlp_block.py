@@ -245,8 +245,8 @@ def test_block_matches_reference_cuda_small() -> None:
 
 
 # Each case compiles the kernel up to twelve times (persistent and five staged launches, with and
-# without prefetch); float32 at 64 rows takes about 10 s a compile. The staged comparison runs
-# in bfloat16 only, so the whole file stays within the device step's limit.
+# without prefetch), float32 at 64 rows the slowest (benchmarks/results/h100, fortieth session).
+# The staged comparison runs in bfloat16 only, so the file stays within the device step's limit.
 @needs_cuda
 @pytest.mark.parametrize(
     ("rows", "dtype"),
