@@ -17,7 +17,6 @@ import json
 import os
 import platform
 import re
-import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -66,15 +65,16 @@ class Timing:
         return [n / s if s > 0 else 0.0 for n, s in zip(self.tokens, self.seconds, strict=True)]
 
     @property
-    def tokens_per_s(self) -> float:
-        """The median pass's rate (of an even count, the lower middle one: a pass's own)."""
-        return statistics.median_low(self.rates)
+    def median_pass(self) -> int:
+        """The index of the median pass by rate (of an even count, the lower middle one)."""
+        rates = self.rates
+        order = sorted(range(len(rates)), key=rates.__getitem__)
+        return order[(len(order) - 1) // 2]
 
     @property
-    def median_pass(self) -> int:
-        """The index of the pass whose rate ``tokens_per_s`` is."""
-        order = sorted(range(len(self.rates)), key=self.rates.__getitem__)
-        return order[(len(order) - 1) // 2]
+    def tokens_per_s(self) -> float:
+        """The median pass's rate: a rate one pass had."""
+        return self.rates[self.median_pass]
 
 
 @dataclass
@@ -260,28 +260,36 @@ def _run_engine(
             disable=not progress,
         ) as bar:
             for number in range(config.passes):
-                tokens, seconds = 0, 0.0
-                for start in range(0, len(prompts), config.batch_size):
-                    batch = [
-                        {"prompt_token_ids": p} for p in prompts[start : start + config.batch_size]
-                    ]
-                    began = time.perf_counter()
-                    outputs = llm.generate(batch, params, use_tqdm=False)
-                    seconds += time.perf_counter() - began
-                    tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
-                    if number == 0:
-                        token_ids += [list(o.outputs[0].token_ids) for o in outputs]
-                        texts += [o.outputs[0].text for o in outputs]
-                    bar.update(len(batch))
-                timing.tokens.append(tokens)
+                completions, seconds = _timed_pass(llm, prompts, params, config.batch_size, bar)
+                timing.tokens.append(sum(len(c.token_ids) for c in completions))
                 timing.seconds.append(seconds)
-                if number == 0 and speculative:
-                    acceptance = Acceptance.between(before, _spec_counters(llm))
+                if number == 0:
+                    token_ids = [list(c.token_ids) for c in completions]
+                    texts = [c.text for c in completions]
+                    if speculative:
+                        acceptance = Acceptance.between(before, _spec_counters(llm))
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
     return Run(token_ids=token_ids, texts=texts, timing=timing, acceptance=acceptance)
+
+
+def _timed_pass(
+    llm: Any, prompts: list[list[int]], params: Any, batch_size: int, bar: Any
+) -> tuple[list[Any], float]:
+    """One pass over ``prompts`` in batches of ``batch_size``: each prompt's completion (vLLM's
+    ``CompletionOutput``), in order, and the seconds spent inside ``LLM.generate``."""
+    completions: list[Any] = []
+    seconds = 0.0
+    for start in range(0, len(prompts), batch_size):
+        batch = [{"prompt_token_ids": p} for p in prompts[start : start + batch_size]]
+        began = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        seconds += time.perf_counter() - began
+        completions += [o.outputs[0] for o in outputs]
+        bar.update(len(batch))
+    return completions, seconds
 
 
 def run_report(
