@@ -122,10 +122,9 @@ def draft_mlp_block_applies(attn: torch.Tensor, h: torch.Tensor, w: MlpBlockWeig
     """Whether ``draft_mlp_block`` runs the kernel for these operands (else the unfused ops)."""
     return (
         triton_usable(attn.device)
-        and attn.dim() == 2
-        and attn.shape[0] > 0
         and all(t.device == attn.device for t in (h, *w))
-        and block_operands_problem(attn, h, w) is None
+        and block_operands_problem(attn, h, w) is None  # two dimensions among its checks
+        and attn.shape[0] > 0
     )
 
 
