@@ -1,9 +1,10 @@
 """Shared pytest hooks: figures that tests measure (e.g. acceptance rates) shown at the end of
 the run, so they appear in the CI log even with ``pytest -q``; a runner of code under Triton's
-interpreter; an environment switch set or unset for one test."""
+interpreter; an environment switch set or unset for one test; the ``cuda_triton`` mark's skip."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -13,6 +14,23 @@ from pathlib import Path
 import pytest
 
 _FIGURES: list[tuple[str, str]] = []
+
+
+@functools.cache
+def _cuda_and_triton() -> bool:
+    import torch
+
+    from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
+
+    return HAS_TRITON and torch.cuda.is_available()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A kernel's GPU tests (``@pytest.mark.cuda_triton``) skip, before their fixtures, where
+    there is no CUDA GPU or no triton; their CPU side runs under Triton's interpreter."""
+    if item.get_closest_marker("cuda_triton") is not None and not _cuda_and_triton():
+        pytest.skip("needs a CUDA GPU and triton (the CPU side runs under the interpreter)")
 
 
 @pytest.fixture

@@ -14,9 +14,7 @@ import torch
 from gemma4_spec.ops import capped_argmax as ca
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
 
-needs_cuda = pytest.mark.skipif(
-    not (HAS_TRITON and torch.cuda.is_available()), reason="needs CUDA and triton"
-)
+needs_cuda = pytest.mark.cuda_triton  # conftest.py skips these without both
 CAP = 30.0  # Gemma 4's final_logit_softcapping
 VOCAB = 262144
 

@@ -43,10 +43,7 @@ from gemma4_spec.ops.centroid_argmax_triton import (
 
 PATHS = ("persistent", "centroid", "auto")
 FORCED = PATHS[:-1]
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and HAS_TRITON),
-    reason="needs a CUDA GPU and triton (the CPU side runs in test_kernels_under_interpreter)",
-)
+needs_cuda = pytest.mark.cuda_triton  # conftest.py skips these without both
 
 SMALL = {"vocab": 4096, "centroids": 64, "top_k": 8, "d": 64}
 REAL = {"vocab": 262144, "centroids": 2048, "top_k": 32, "d": 256}  # E2B / E4B assistants

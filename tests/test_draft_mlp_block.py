@@ -29,10 +29,7 @@ from gemma4_spec.ops.draft_mlp_block import (
 )
 from gemma4_spec.testing.closeness import row_rms_excess
 
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and HAS_TRITON),
-    reason="needs a CUDA GPU and triton (the CPU side runs under the interpreter)",
-)
+needs_cuda = pytest.mark.cuda_triton  # conftest.py skips these without both
 EPS = 1e-6
 # (rows, hidden H, attention width Q, MLP width I): the output projection split over K (under
 # the interpreter's 4 "SMs"); the down projection split; H not a power of two and I not a

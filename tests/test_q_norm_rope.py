@@ -23,10 +23,7 @@ from gemma4_spec.ops.q_norm_rope import (
 )
 from gemma4_spec.testing.closeness import per_head_excess
 
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and HAS_TRITON),
-    reason="needs a CUDA GPU and triton (the CPU side runs under the interpreter)",
-)
+needs_cuda = pytest.mark.cuda_triton  # conftest.py skips these without both
 EPS = 1e-6
 # (rows, heads, head_dim, rotary_dim): every value rotated; part of them (the rest pass through);
 # a head size that is not a power of two; the E2B assistant's sliding and full layers.

@@ -41,10 +41,7 @@ from gemma4_spec.testing.closeness import (
     reordered_sum_excess,
 )
 
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and HAS_TRITON),
-    reason="needs a CUDA GPU and triton (the CPU side runs under the interpreter)",
-)
+needs_cuda = pytest.mark.cuda_triton  # conftest.py skips these without both
 # (rows, N, K): one tile and many; K neither a multiple of the step nor of 16; few columns and a
 # long K (the split launch, also under the interpreter's 4 "SMs"); the most rows it runs for.
 SMALL_SHAPES = ((1, 16, 600), (3, 96, 40), (17, 20, 1000), (5, 48, 256), (32, 32, 300))

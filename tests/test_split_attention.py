@@ -13,10 +13,7 @@ import torch
 from gemma4_spec.ops.centroid_argmax_triton import HAS_TRITON
 from gemma4_spec.ops.split_attention import split_attention_reference
 
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and HAS_TRITON),
-    reason="needs a CUDA GPU and triton (the CPU side runs under the interpreter)",
-)
+needs_cuda = pytest.mark.cuda_triton  # conftest.py skips these without both
 # (requests, query tokens each, head size, query heads, KV heads, longest, window, softcap)
 SMALL_CASES = (
     (3, 4, 32, 8, 1, 300, 0, 0.0),  # several segments

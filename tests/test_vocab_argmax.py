@@ -32,10 +32,7 @@ from gemma4_spec.ops.vocab_argmax_triton import (
     vocab_argmax_config,
 )
 
-needs_cuda = pytest.mark.skipif(
-    not (torch.cuda.is_available() and HAS_TRITON),
-    reason="needs a CUDA GPU and triton (the CPU side runs under the interpreter)",
-)
+needs_cuda = pytest.mark.cuda_triton  # conftest.py skips these without both
 REAL = {"vocab": 262144, "hidden": 1024}  # the 26B-A4B and 31B assistants' lm_head
 # Neither V nor H a multiple of the tiles (128 rows, 64 hidden): masked edges everywhere.
 ODD = {"vocab": 1000, "hidden": 40}
