@@ -30,7 +30,8 @@
 #         e2b), B = 1 and 16, k = 3, engines started side by side and measured in turn
 #   verify-kernels: after 'install', the capped argmax's tests and benchmark (CAPPED_SWEEP=1:
 #         also its sizes' sweep, benchmarks/capped_argmax.py --sweep)
-#   chain: instead of step 1 (carry part00): the persistent draft block's, the small-rows
+#   chain: instead of step 1 (carry part00): the persistent draft block's (alone with
+#         BLOCK_ONLY=1), the small-rows
 #         matmul's and the fused query norm / rotary embedding's CUDA tests and the draft layer
 #         chain with cuBLAS, our kernel, the fused draft ops and the block (without it if its
 #         tests failed; benchmarks/draft_chain.py); torch + triton only
@@ -103,6 +104,7 @@ chain)  # step 1's alternative, staging part00 as step 1 does
     timeout "${BLOCK_TEST_TIMEOUT:-240}" python3 -m pytest -v --durations=12 tests/test_draft_mlp_block.py \
         > "$OUT/test_draft_mlp_block_cuda.log" 2>&1
     block_rc=$?; echo "draft MLP block tests rc=$block_rc"; tail -2 "$OUT/test_draft_mlp_block_cuda.log"
+    [ -n "${BLOCK_ONLY:-}" ] && exit $block_rc
     timeout 200 python3 -m pytest -q tests/test_small_linear.py tests/test_q_norm_rope.py \
         > "$OUT/test_small_linear_cuda.log" 2>&1
     echo "small-rows matmul and q norm/rope tests rc=$?"; tail -2 "$OUT/test_small_linear_cuda.log"
