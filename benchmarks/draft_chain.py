@@ -3,13 +3,10 @@ query norm and rotary embedding and activation between them, in one CUDA graph, 
 matmuls through cuBLAS (``F.linear``, what vLLM runs), our small-rows kernel
 (``ops/small_linear*.py``), our kernel with the fused draft ops (``ours fused``: the gate/up
 matmul and activation in one launch, ``small_linear_gelu_and_mul``, and the query norm and
-rotary embedding in one, ``q_norm_rope``), the fused form with each layer's work from the
-output projection to the next layer's input norm in one persistent launch (``block``:
-``ops/draft_mlp_block*.py``, grid barriers between its five stages; ``prefetch``: with the
-first weights of the stages after a barrier loaded before it; ``pf 64``, ``pf 32``: that with
-64 / 32 programs instead of one per item of the largest stage) and the same kernel as five
-launches without barriers (``staged``: what the barriers are worth against launches), and the
-float32 reference.
+rotary embedding in one, ``q_norm_rope``), and the float32 reference. (A persistent kernel for
+each layer's work from the output projection to the next input norm, grid barriers between
+its stages, ran here 1.06-1.09x the fused chain and no faster on the engine: dropped, in
+``results/h100/README.md``'s fortieth and forty-first sessions.)
 
     PYTHONPATH=$PWD python3 benchmarks/draft_chain.py [--tokens 1,2,4,8,16,32] [--reps 200]
         [--json out.json] [--smoke]
@@ -22,11 +19,10 @@ rotary embedding: vLLM's formula, ``q_norm_rope.py``'s ``vllm_formula``, Inducto
 Every variant is captured in a CUDA graph and timed by ``centroid_argmax.py``'s harness (cold
 L2 before each replay, CUDA events, the median of ``--reps``); the kernel isolated from its
 neighbours (``small_linear.py``) leaves out what its neighbours in the graph cost it or save
-it. Columns: us per chain, ``cuBLAS/ours``, ``ours/fused``, ``fused/block`` and
-``fused/pf`` (over ``prefetch``), and each variant's largest error against the reference
-relative to its row's RMS. On CPU (``--smoke``, ``TRITON_INTERPRET=1``) it only checks that
-the chain runs. Before the thirty-first session the chain had no query norm and rotary
-embedding: its earlier figures are not comparable.
+it. Columns: us per chain, ``cuBLAS/ours``, ``ours/fused``, and each variant's largest error
+against the reference relative to its row's RMS. On CPU (``--smoke``, ``TRITON_INTERPRET=1``)
+it only checks that the chain runs. Before the thirty-first session the chain had no query
+norm and rotary embedding: its earlier figures are not comparable.
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -44,8 +40,6 @@ from centroid_argmax import _time_cpu, _time_cuda, bench_setup, kernel_bench_par
 from q_norm_rope import EPS, MAX_POSITION, rotary_cache, vllm_formula  # noqa: E402
 
 from gemma4_spec.ops.centroid_argmax_triton import triton_usable  # noqa: E402
-from gemma4_spec.ops.draft_mlp_block import MlpBlockWeights  # noqa: E402
-from gemma4_spec.ops.draft_mlp_block_triton import draft_mlp_block_kernel  # noqa: E402
 from gemma4_spec.ops.q_norm_rope import q_norm_rope, q_norm_rope_reference  # noqa: E402
 from gemma4_spec.ops.small_linear import (  # noqa: E402
     gelu_and_mul_formula,
@@ -58,20 +52,7 @@ from gemma4_spec.ops.small_linear import (  # noqa: E402
 # (hidden, MLP width, query width per layer, backbone): the E2B assistant; a small one for CPU.
 CHAIN = (256, 2048, (2048, 2048, 2048, 4096), 1536)
 SMOKE_CHAIN = (64, 80, (96, 96, 96, 128), 48)
-VARIANTS = (
-    "cuBLAS", "ours", "ours fused", "block", "prefetch", "pf 64", "pf 32", "staged", "reference",
-)  # fmt: skip
-# The block variants' launch options: persistent, persistent with the weights of the stages after
-# a barrier loaded before it (with as many programs as the largest stage has items, at most one
-# per SM, or with 64 / 32: fewer programs wait at each barrier, each doing more items), and a
-# launch a stage.
-BLOCK_VARIANTS: dict[str, dict[str, Any]] = {
-    "block": {"prefetch": False},
-    "prefetch": {"prefetch": True},
-    "pf 64": {"prefetch": True, "programs": 64},
-    "pf 32": {"prefetch": True, "programs": 32},
-    "staged": {"staged": True, "prefetch": False},
-}
+VARIANTS = ("cuBLAS", "ours", "ours fused", "reference")
 HEADS = 8
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -142,30 +123,6 @@ def chain(
     return ops.linear(x, head["post"])
 
 
-def block_chain(
-    h: torch.Tensor,
-    positions: torch.Tensor,
-    layers: list[dict[str, torch.Tensor]],
-    head: dict[str, torch.Tensor],
-    norm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    options: dict[str, Any],
-) -> torch.Tensor:
-    """``chain`` with ``ours fused``'s query projection and rotation, and each layer's work
-    from the output projection to the next input norm in ``draft_mlp_block`` (launched with
-    ``options``: ``BLOCK_VARIANTS``)."""
-    x = norm(h, layers[0]["input_norm"])
-    for idx, w in enumerate(layers):
-        head_dim = w["q_norm"].shape[0]
-        q = q_norm_rope(small_linear(x, w["q"]), w["q_norm"], w["rotary"], positions, EPS, head_dim)
-        pre = head["norm"] if idx == len(layers) - 1 else layers[idx + 1]["input_norm"]
-        block = MlpBlockWeights(
-            w["o"], w["gate_up"], w["down"], w["post_attn_norm"], w["pre_mlp_norm"],
-            w["post_mlp_norm"], pre, w["layer_scalar"],
-        )  # fmt: skip
-        h, x = draft_mlp_block_kernel(q, h, block, EPS, **options)
-    return small_linear(x, head["post"])
-
-
 def _variants(cuda: bool) -> dict[str, ChainOps]:
     """Each variant's ops; on CUDA the elementwise steps are Inductor's kernels, as in the
     compiled draft model."""
@@ -200,11 +157,8 @@ def _rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def main() -> None:
     parser = kernel_bench_parser(__doc__.splitlines()[0], "--tokens", "1,2,4,8,16,32", 2)
-    parser.add_argument(
-        "--no-block", action="store_true", help="leave out the block variants (their kernel)"
-    )
     args = parser.parse_args()
-    variants = [v for v in VARIANTS if not (args.no_block and v in BLOCK_VARIANTS)]
+    variants = list(VARIANTS)
     device, dtype, cuda, reps = bench_setup(args)
     if not triton_usable(device):
         sys.exit("needs CUDA and triton, or TRITON_INTERPRET=1 on CPU")
@@ -222,7 +176,6 @@ def main() -> None:
     print(f"draft layer chain, {len(layers)} layers ({dtype}): us per chain")
     print(f"{'T':>3s} " + " ".join(f"{v:>10s}" for v in variants)
           + f" {'cuBLAS/ours':>11s} {'ours/fused':>10s} "
-          + (f"{'fused/block':>11s} {'fused/pf':>8s} " if "block" in variants else "")
           + " ".join(f"{'err ' + v:>14s}" for v in variants if v != "reference"))  # fmt: skip
     gen = torch.Generator().manual_seed(2)
     rows = []
@@ -232,14 +185,8 @@ def main() -> None:
         fns: dict[str, Callable[[], torch.Tensor]] = {
             v: (lambda v=v, h=h, p=positions: chain(h, p, layers, head, ops[v]))
             for v in VARIANTS
-            if v not in ("reference", *BLOCK_VARIANTS)
+            if v != "reference"
         }
-        for v in BLOCK_VARIANTS:
-            if v not in variants:
-                continue
-            fns[v] = lambda h=h, p=positions, o=BLOCK_VARIANTS[v]: block_chain(
-                h, p, layers, head, ops["ours fused"].norm, o
-            )
         fns["reference"] = lambda h=h, p=positions: chain(
             h.float(), p, layers32, head32, ops["reference"]
         )
@@ -248,8 +195,6 @@ def main() -> None:
         us = {v: timed(fns[v]) for v in variants}
         print(f"{t:3d} " + " ".join(f"{us[v]:10.2f}" for v in variants)
               + f" {us['cuBLAS'] / us['ours']:11.2f} {us['ours'] / us['ours fused']:10.2f} "
-              + (f"{us['ours fused'] / us['block']:11.2f} "
-                 f"{us['ours fused'] / us['prefetch']:8.2f} " if "block" in us else "")
               + " ".join(f"{errors[v]:14.4f}" for v in errors))  # fmt: skip
         rows.append({"tokens": t, "us": us, "errors": errors})
     if args.json:

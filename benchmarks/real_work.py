@@ -202,7 +202,6 @@ SETTINGS = {
     "qrope": "GEMMA4_SPEC_FUSED_QROPE",
     "segments": "GEMMA4_SPEC_VERIFY_SEGMENTS",
     "target": "GEMMA4_SPEC_TARGET_LINEAR",  # "ours-V2+target=1": the target's matmuls on ours
-    "block": "GEMMA4_SPEC_DRAFT_BLOCK",  # each draft layer's work after attention in one launch
     # torch: one reduction configuration chosen by Inductor's rule, none timed at run time
     # (for the target compile range's norms, whose speed differed between processes).
     "rfilter": "TORCHINDUCTOR_FORCE_FILTER_REDUCTION_CONFIGS",

@@ -227,8 +227,6 @@ ATTENTION_VARIANTS = {
     "unfused-draft": {"GEMMA4_SPEC_FUSED_GELU": "0", "GEMMA4_SPEC_FUSED_QROPE": "0"},
     # The target's matmuls on the small-rows kernel up to its row cap (opt-in).
     "target-linear": {"GEMMA4_SPEC_TARGET_LINEAR": "1"},
-    # Each draft layer's work after its attention in one persistent launch (opt-in).
-    "draft-block": {"GEMMA4_SPEC_DRAFT_BLOCK": "1"},
 }
 
 
@@ -267,8 +265,6 @@ def test_v2_verification_attention_settings_are_lossless(
         assert ours.own_split_calls > 0
     if variant == "target-linear":  # plain decoding loads no drafter: its target keeps cuBLAS
         assert ours.target_rows_layers > 0 and plain.target_rows_layers == 0
-    if variant == "draft-block":
-        assert ours.draft_block
 
 
 @on_gpu

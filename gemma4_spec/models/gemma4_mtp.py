@@ -43,7 +43,6 @@ from vllm.sequence import IntermediateTensors
 
 from gemma4_spec.ops.centroid_argmax import CentroidMask, masked_logits
 from gemma4_spec.ops.centroid_argmax_triton import centroid_argmax_fused
-from gemma4_spec.ops.draft_mlp_block import uses_draft_block
 from gemma4_spec.ops.q_norm_rope import fuses_q_rope
 from gemma4_spec.ops.small_linear import fuses_gelu, use_small_rows_linear
 from gemma4_spec.ops.vocab_argmax_triton import vocab_argmax
@@ -119,11 +118,6 @@ class QOnlyAttention(nn.Module):
         self.fused_q_rope = fuses_q_rope(self.rotary_emb, device)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        out, _ = self.o_proj(self.attend(positions, hidden_states))
-        return out
-
-    def attend(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The attention's output, before the output projection."""
         q, _ = self.q_proj(hidden_states)
         if self.fused_q_rope:
             q = torch.ops.gemma4_spec.q_norm_rope(
@@ -137,7 +131,8 @@ class QOnlyAttention(nn.Module):
         else:
             q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).flatten(-2)
             q, _ = self.rotary_emb(positions, q, None)
-        return self.attn(q, None, None)
+        out, _ = self.o_proj(self.attn(q, None, None))
+        return out
 
 
 class AssistantMLP(nn.Module):
@@ -315,18 +310,6 @@ class Gemma4AssistantForDrafting(nn.Module):
                 module.fuse_gelu()
             elif isinstance(module, QOnlyAttention):
                 module.fuse_q_rope(vllm_config.device_config.device)
-        # Each layer's work from its output projection to the next input norm in one launch
-        # (ops/draft_mlp_block.py; opt-in).
-        self.fused_block = uses_draft_block(
-            vllm_config.device_config.device,
-            get_tensor_model_parallel_world_size(),
-            text_config.hidden_activation,
-            bool(getattr(text_config, "attention_bias", False)),
-        )
-        if self.fused_block:  # its counters, before any graph capture
-            from gemma4_spec.ops.draft_mlp_block_triton import prepare_draft_mlp_block
-
-            prepare_draft_mlp_block(vllm_config.device_config.device)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.model.embed_tokens is None:
@@ -348,37 +331,11 @@ class Gemma4AssistantForDrafting(nn.Module):
             assert input_ids is not None
             inputs_embeds = self.embed_input_ids(input_ids)
         h, _ = self.pre_projection(torch.cat([inputs_embeds, hidden_states], dim=-1))
-        if self.fused_block:
-            h = self._blocks(positions, h)
-        else:
-            for layer in self.model.layers:
-                h = layer(positions, h)
-            h = self.model.norm(h)
+        for layer in self.model.layers:
+            h = layer(positions, h)
+        h = self.model.norm(h)
         backbone_hidden, _ = self.post_projection(h)
         return h, backbone_hidden
-
-    def _blocks(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        """The decoder layers and the final norm, each layer's work after its attention in
-        one ``draft_mlp_block``: the normed output, as the layers and ``model.norm`` give it."""
-        layers = self.model.layers
-        x = layers[0].input_layernorm(h)
-        for idx, layer in enumerate(layers):
-            attn = layer.self_attn.attend(positions, x)
-            after = layers[idx + 1].input_layernorm if idx + 1 < len(layers) else self.model.norm
-            h, x = torch.ops.gemma4_spec.draft_mlp_block(
-                attn,
-                h,
-                layer.self_attn.o_proj.weight,
-                layer.mlp.gate_up_proj.weight,
-                layer.mlp.down_proj.weight,
-                layer.post_attention_layernorm.weight,
-                layer.pre_feedforward_layernorm.weight,
-                layer.post_feedforward_layernorm.weight,
-                after.weight,
-                layer.layer_scalar,
-                self.text_config.rms_norm_eps,
-            )
-        return x
 
     def _centroid_mask(self) -> CentroidMask | None:
         if self.masked_embedding is None:

@@ -61,11 +61,3 @@ def per_head_excess(out: torch.Tensor, ref: torch.Tensor, head_dim: int) -> floa
     scale = heads.abs().amax(-1, keepdim=True).clamp_min(1e-6)
     diff = (out.float().view_as(heads) - heads).abs()
     return (diff - _eps(out.dtype, 2) * scale).max().item()
-
-
-def row_rms_excess(out: torch.Tensor, ref: torch.Tensor, steps: int) -> float:
-    """A chain of products and norms (``draft_mlp_block``, which rounds each intermediate to
-    the model dtype): within ``steps`` rounding steps of the value plus the row's RMS (float32:
-    ``FLOAT32_TOLERANCE`` a step), since each norm spreads a rounding across its row."""
-    scale = ref.float().pow(2).mean(-1, keepdim=True).sqrt() + ref.float().abs()
-    return ((out.float() - ref.float()).abs() - _eps(out.dtype, steps) * scale).max().item()

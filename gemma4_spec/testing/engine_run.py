@@ -163,8 +163,6 @@ class RunResult:
     own_split_calls: int = 0
     # Target linear layers through target_linear (ops/small_linear.py, opt-in).
     target_rows_layers: int = 0
-    # Whether the drafter's layers run through draft_mlp_block (ops/draft_mlp_block.py, opt-in).
-    draft_block: bool = False
     # Verification steps whose index arrays our builder made (spec_decode/verify_metadata.py),
     # and greedy batches verified without vLLM's rejection sampler (patch_rejection_sampler.py).
     verify_metadata_builds: int = 0
@@ -397,7 +395,6 @@ def _worker_facts(worker: Any) -> dict[str, Any]:
         "flat_verify_rewrites": sum(rewrites_of(builder) for builder in builders),
         "own_split_calls": own_split_calls(),
         "target_rows_layers": target_rows_layers(getattr(runner, "model", None)),
-        "draft_block": bool(getattr(getattr(drafter, "model", None), "fused_block", False)),
         "verify_metadata_builds": 0 if verify_metadata is None else verify_metadata.builds,
         "greedy_verify_batches": 0 if greedy is None else greedy.batches,
         "greedy_verify_uncapped": 0 if greedy is None else greedy.uncapped,
