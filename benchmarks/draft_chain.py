@@ -3,10 +3,7 @@ query norm and rotary embedding and activation between them, in one CUDA graph, 
 matmuls through cuBLAS (``F.linear``, what vLLM runs), our small-rows kernel
 (``ops/small_linear*.py``), our kernel with the fused draft ops (``ours fused``: the gate/up
 matmul and activation in one launch, ``small_linear_gelu_and_mul``, and the query norm and
-rotary embedding in one, ``q_norm_rope``), and the float32 reference. (A persistent kernel for
-each layer's work from the output projection to the next input norm, grid barriers between
-its stages, ran here 1.06-1.09x the fused chain and no faster on the engine: dropped, in
-``results/h100/README.md``'s fortieth and forty-first sessions.)
+rotary embedding in one, ``q_norm_rope``), and the float32 reference.
 
     PYTHONPATH=$PWD python3 benchmarks/draft_chain.py [--tokens 1,2,4,8,16,32] [--reps 200]
         [--json out.json] [--smoke]
@@ -158,7 +155,6 @@ def _rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def main() -> None:
     parser = kernel_bench_parser(__doc__.splitlines()[0], "--tokens", "1,2,4,8,16,32", 2)
     args = parser.parse_args()
-    variants = list(VARIANTS)
     device, dtype, cuda, reps = bench_setup(args)
     if not triton_usable(device):
         sys.exit("needs CUDA and triton, or TRITON_INTERPRET=1 on CPU")
@@ -174,9 +170,9 @@ def main() -> None:
         torch._dynamo.config.recompile_limit = 64  # one graph per row count
     ops = _variants(cuda)
     print(f"draft layer chain, {len(layers)} layers ({dtype}): us per chain")
-    print(f"{'T':>3s} " + " ".join(f"{v:>10s}" for v in variants)
+    print(f"{'T':>3s} " + " ".join(f"{v:>10s}" for v in VARIANTS)
           + f" {'cuBLAS/ours':>11s} {'ours/fused':>10s} "
-          + " ".join(f"{'err ' + v:>14s}" for v in variants if v != "reference"))  # fmt: skip
+          + " ".join(f"{'err ' + v:>14s}" for v in VARIANTS if v != "reference"))  # fmt: skip
     gen = torch.Generator().manual_seed(2)
     rows = []
     for t in [int(x) for x in args.tokens.split(",")]:
@@ -191,9 +187,9 @@ def main() -> None:
             h.float(), p, layers32, head32, ops["reference"]
         )
         want = fns["reference"]()
-        errors = {v: _rms_error(fns[v](), want) for v in variants if v != "reference"}
-        us = {v: timed(fns[v]) for v in variants}
-        print(f"{t:3d} " + " ".join(f"{us[v]:10.2f}" for v in variants)
+        errors = {v: _rms_error(fns[v](), want) for v in VARIANTS if v != "reference"}
+        us = {v: timed(fns[v]) for v in VARIANTS}
+        print(f"{t:3d} " + " ".join(f"{us[v]:10.2f}" for v in VARIANTS)
               + f" {us['cuBLAS'] / us['ours']:11.2f} {us['ours'] / us['ours fused']:10.2f} "
               + " ".join(f"{errors[v]:14.4f}" for v in errors))  # fmt: skip
         rows.append({"tokens": t, "us": us, "errors": errors})
