@@ -74,7 +74,7 @@ def test_vllm_call_computes_the_reference_under_interpreter(check_under_interpre
     check_under_interpreter("test_patch_split_attention", "_check_vllm_call_mapping")
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA")
+@pytest.mark.cuda_triton  # conftest.py skips it without both
 def test_vllm_call_computes_the_reference_cuda() -> None:
     _check_vllm_call_mapping("cuda")
 
