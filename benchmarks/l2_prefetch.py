@@ -15,6 +15,8 @@ layers, E2B's widths) with and without such prefetches:
   second stream (a parallel branch of the graph) asks for matmul ``j``'s weights (those of at
   most ``cap`` MB; ``last``: with the evict-last L2 policy).
 * ``inline ...``: the same kernel on the chain's own stream (one launch more a matmul).
+* ``attn <weights>``: at each layer's attention stand-in, on the second stream, that layer's
+  named weights (the one place a plugin's attention backend could ask from).
 
 Prints us a forward and base over each. Needs torch and triton on a Hopper GPU.
 
@@ -85,6 +87,7 @@ class Variant:
     ahead: int = 1
     cap_mb: float = 1e9
     last: bool = False
+    keys: tuple[str, ...] = ()  # mode "attn": the layer's weights asked for at its attention
 
 
 VARIANTS = [
@@ -95,6 +98,10 @@ VARIANTS = [
     Variant("side L2 20 MB", "side", 2, 20),
     Variant("side L1 40 MB last", "side", 1, 40, True),
     Variant("inline L1 20 MB", "inline", 1, 20),
+    Variant("attn o", "attn", keys=("o",)),
+    Variant("attn o down", "attn", keys=("o", "down")),
+    Variant("attn o down ple", "attn", keys=("o", "down", "ple_gate", "ple_proj")),
+    Variant("attn o down ple last", "attn", last=True, keys=("o", "down", "ple_gate", "ple_proj")),
 ]
 
 
@@ -133,7 +140,8 @@ def build_weights(device: torch.device, dtype: torch.dtype) -> list[dict[str, to
 def forward_ops(
     layers: list[dict[str, torch.Tensor]], t: int, device: torch.device, dtype: torch.dtype
 ) -> list[tuple[torch.Tensor | None, Callable[[], None]]]:
-    """The chain as (weight the op reads or None, op), ops writing preallocated buffers."""
+    """The chain as (weight the op reads or None, op), ops writing preallocated buffers, and
+    the index of each layer's attention stand-in with the layer's weights."""
     norm = torch.compile(_norm, dynamic=False)
     gelu_mul = torch.compile(_gelu_mul, dynamic=False)
     h = torch.randn(t, HIDDEN, device=device, dtype=dtype)
@@ -141,6 +149,7 @@ def forward_ops(
     ple_in = torch.randn(t, VOCAB_PLE, device=device, dtype=dtype)
     buf: dict[str, torch.Tensor] = {}
     ops: list[tuple[torch.Tensor | None, Callable[[], None]]] = []
+    attn_at: dict[int, dict[str, torch.Tensor]] = {}
 
     def mm(key: str, src: str, w: torch.Tensor) -> None:
         buf[key] = torch.empty(t, w.shape[0], device=device, dtype=dtype)
@@ -154,6 +163,7 @@ def forward_ops(
         q = lw["o"].shape[1]
         elt("x", lambda: norm(buf["h"], buf["h"], scale))
         mm("qkv", "x", lw["qkv"])
+        attn_at[len(ops)] = lw
         elt("a", lambda q=q: _attn_stub(buf["qkv"], q))
         mm("o", "a", lw["o"])
         elt("h", lambda: norm(buf["o"], buf["h"], scale))
@@ -165,27 +175,37 @@ def forward_ops(
         elt("g2", lambda: buf["g"] * ple_in)
         mm("p", "g2", lw["ple_proj"])
         elt("h", lambda: norm(buf["p"], buf["h"], scale))
-    return ops
+    return ops, attn_at
 
 
 def _with_prefetch(
-    ops: list[tuple[torch.Tensor | None, Callable[[], None]]], v: Variant, side: torch.cuda.Stream
+    ops: list[tuple[torch.Tensor | None, Callable[[], None]]],
+    attn_at: dict[int, dict[str, torch.Tensor]],
+    v: Variant,
+    side: torch.cuda.Stream,
 ) -> Callable[[], None]:
     weights = [w for w, _ in ops if w is not None]
     order = {id(w): j for j, w in enumerate(weights)}
 
+    def ask(main: torch.cuda.Stream, ws: list[torch.Tensor]) -> None:
+        if v.mode == "inline":
+            for w in ws:
+                prefetch(w, v.last)
+            return
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            for w in ws:
+                prefetch(w, v.last)
+
     def run() -> None:
         main = torch.cuda.current_stream()
-        for w, op in ops:
-            if w is not None and v.mode != "base":
+        for i, (w, op) in enumerate(ops):
+            if v.mode == "attn" and i in attn_at:
+                ask(main, [attn_at[i][key] for key in v.keys])
+            elif w is not None and v.mode in ("side", "inline"):
                 j = order[id(w)] + v.ahead
                 if j < len(weights) and weights[j].numel() * 2 <= v.cap_mb * 1e6:
-                    if v.mode == "side":
-                        side.wait_stream(main)
-                        with torch.cuda.stream(side):
-                            prefetch(weights[j], v.last)
-                    else:
-                        prefetch(weights[j], v.last)
+                    ask(main, [weights[j]])
             op()
         main.wait_stream(side)
 
@@ -259,8 +279,8 @@ def main() -> None:
     side = torch.cuda.Stream()
     rows = []
     for t in [int(x) for x in args.tokens.split(",")]:
-        ops = forward_ops(layers, t, device, dtype)
-        runs = {v.name: _with_prefetch(ops, v, side) for v in VARIANTS}
+        ops, attn_at = forward_ops(layers, t, device, dtype)
+        runs = {v.name: _with_prefetch(ops, attn_at, v, side) for v in VARIANTS}
         us: dict[str, list[float]] = {n: [] for n in runs}
         for _ in range(args.rounds):
             for n, fn in runs.items():
