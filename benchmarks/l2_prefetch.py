@@ -207,7 +207,8 @@ def _with_prefetch(
                 if j < len(weights) and weights[j].numel() * 2 <= v.cap_mb * 1e6:
                     ask(main, [weights[j]])
             op()
-        main.wait_stream(side)
+        if v.mode in ("side", "attn"):
+            main.wait_stream(side)
 
     return run
 
