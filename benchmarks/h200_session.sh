@@ -55,8 +55,6 @@
 #         cache, one that compiles with Inductor's reduction filter (TARGET_NORMS_RUNS picks;
 #         'default': ours-V2 at the same cell), and the generated norm kernels; about 230 s a
 #         run that compiles (two runs a call)
-#   l2-prefetch: step 1's alternative (stages part00): benchmarks/l2_prefetch.py, a target
-#         forward's chain with its next weights asked into L2 ahead, and without
 #   norm-context: step 1's alternative (stages part00): the compiled norm after cuBLAS and
 #         after our matmul at the target's shapes (small_linear.py --target --forward --norms)
 #   tp2: on the two-GPU kind, after 'install': tests/test_gpu_tp.py, then real_work.py at TP=2
@@ -73,7 +71,7 @@
 # .devexp/tf + .devexp/ours with 'install'; the MoE kernels in a call of their own. The machine
 # goes cold after 30 s without a call, and a cold machine has lost every staged part.
 set -uo pipefail
-step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-chain|attention-sweep|chain|l2-prefetch|norm-context|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|compile-ab|target-norms|profile|profile-real|tp2}
+step=${1:?usage: benchmarks/h200_session.sh part|stage|attention-chain|attention-sweep|chain|norm-context|kernels|vllm|install|engine|verify-kernels|draft-kernels|attention-kernels|e2e|real|compile-ab|target-norms|profile|profile-real|tp2}
 : "${OUT:?OUT must be set (the device tool sets it)}"
 export VLLM_USE_FLASHINFER_SAMPLER=0
 # vLLM's MoE kernels, cut from the trimmed vLLM (48 MB); prepared here with
@@ -105,12 +103,6 @@ chain)  # step 1's alternative, staging part00 as step 1 does
     echo "small-rows matmul and q norm/rope tests rc=$?"; tail -2 "$OUT/test_small_linear_cuda.log"
     timeout 200 python3 benchmarks/draft_chain.py --json "$OUT/draft_chain.json" \
         2>&1 | grep -v Warning | tee "$OUT/draft_chain.log"
-    ;;
-l2-prefetch)  # step 1's alternative (stages part00): the target's weights asked into L2 ahead
-    stage_part00
-    export PYTHONPATH=$PWD
-    timeout 400 python3 benchmarks/l2_prefetch.py --tokens "${PREFETCH_TOKENS:-8,24,48}" \
-        --json "$OUT/l2_prefetch.json" 2>&1 | grep -v Warning | tee "$OUT/l2_prefetch.log"
     ;;
 norm-context)  # why the 1-16 token graph's norms run slow (results/h100, 38th session)
     stage_part00
